@@ -158,6 +158,21 @@ def causal_attention(q, k, v) -> torch.Tensor:
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def attend(q, k, v, visible):
+    """Attention of one new query per head over a cache, with its probabilities.
+
+    q: (N, G, D) queries grouped by the KV head they share; k, v: (N, S, D);
+    visible: (N, 1, S) bool. Returns the output (N, G, D) and the attention
+    probabilities (N, G, S) in float32, which the compressed cache needs for
+    its heavy-hitter scores. Both caches decode through this one function,
+    so a compressed cache that keeps everything reproduces the dense one
+    bit for bit.
+    """
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    probs = scores.float().masked_fill(~visible, -float("inf")).softmax(-1)
+    return probs.to(v.dtype) @ v, probs
+
+
 class KVCache(nn.Module):
     """The dense cache: every token of every KV head, (B, K, S, D).
 
@@ -184,9 +199,9 @@ class KVCache(nn.Module):
             # is exact and cheaper than over the whole buffer.
             return causal_attention(q, k, v)
         slots = torch.arange(self.k.shape[2], device=q.device)
-        mask = slots[None, None, None, :] <= input_pos[:, None, :, None]  # (B, 1, T, S)
-        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
-                                              enable_gqa=q.shape[1] != K)
+        visible = (slots[None, :] <= input_pos)[:, None, None, :]  # (B, 1, 1, S)
+        y, _ = attend(q.view(B, K, -1, D), self.k, self.v, visible)  # (B, K, G, D)
+        return y.view(q.shape)
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
