@@ -267,8 +267,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
         from convert_gguf import default_checkpoint
         ckpt = default_checkpoint()
     torch.manual_seed(seed)
-    tok = Tokenizer(ckpt)
     model = load_model(ckpt, DTYPES[dtype], device)
+    tok = Tokenizer(ckpt)
     if chat:
         texts = [tok.apply_chat(t) for t in texts]
     prompts = [tok.encode(t) for t in texts]

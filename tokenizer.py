@@ -41,6 +41,8 @@ class Tokenizer:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.eos_token is not None and self.token_to_id(self.eos_token) is not None:
             eos.append(self.token_to_id(self.eos_token))
+        if not eos and self._sp is not None and self._sp.eos_id() >= 0:
+            eos = [self._sp.eos_id()]  # a bare tokenizer.model: its own EOS
         self.eos_ids = sorted(set(eos))
         self.special_ids = sorted(set(self.special_ids) | set(self.eos_ids))
 
