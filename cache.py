@@ -170,6 +170,8 @@ def fastgen_caches(model, policies, threshold, prompt_lens, max_new_tokens, toke
     """One FastGenCache per layer of `model`."""
     device = model.tok_embeddings.weight.device
     lens = torch.as_tensor(prompt_lens, device=device)
+    if token_flags is None:  # no tokenizer at hand: Special then keeps only the first token
+        token_flags = torch.zeros(model.args.vocab_size, dtype=torch.uint8)
     flags = token_flags.to(device)
     return [FastGenCache(policies, threshold, lens, max_new_tokens, model.args.n_kv_heads, flags)
             for _ in model.layers]

@@ -66,6 +66,10 @@ _compiled_decode = None
 def compiled_decode():
     global _compiled_decode
     if _compiled_decode is None:
+        # Each compressed-cache layout (buckets and their widths) is one more
+        # compiled graph; a benchmark sweeping thresholds needs more than
+        # dynamo's default of 8. Within one generation the shapes are fixed.
+        torch._dynamo.config.recompile_limit = 64
         _compiled_decode = torch.compile(decode_one_token, fullgraph=True)
     return _compiled_decode
 

@@ -38,20 +38,21 @@ def attention_sums(q, k, lens, windows, chunk_bytes: int = CHUNK_BYTES):
     B, H, T, D = q.shape
     K = k.shape[1]
     G = H // K
-    kf = k.float().repeat_interleave(G, dim=1)  # (B, H, T, D)
+    kt = (k.float() / math.sqrt(D)).repeat_interleave(G, dim=1).transpose(-1, -2)  # (B, H, D, T)
     colsum = q.new_zeros(B, H, T, dtype=torch.float32)
     bandsum = torch.zeros_like(colsum)
     cols = torch.arange(T, device=q.device)
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
     for i0 in range(0, T, rows_per_chunk):
         rows = cols[i0:i0 + rows_per_chunk]
-        scores = q[:, :, rows].float() @ kf.transpose(-1, -2) / math.sqrt(D)  # (B, H, c, T)
-        causal = cols[None, :] <= rows[:, None]  # (c, T)
-        attn = scores.masked_fill(~causal, -float("inf")).softmax(-1)
-        attn = attn * (rows[None, :] < lens[:, None])[:, None, :, None]  # drop padding rows
-        band = cols[None, None, :] > rows[None, :, None] - windows[:, None, None]  # (B, c, T)
+        # In place where possible: these (B, H, c, T) tensors are the cost of profiling.
+        scores = q[:, :, rows].float() @ kt  # (B, H, c, T)
+        scores.masked_fill_(cols[None, :] > rows[:, None], -float("inf"))
+        attn = scores.softmax(-1)
+        attn.mul_((rows[None, :] < lens[:, None])[:, None, :, None])  # drop padding rows
         colsum += attn.sum(2)
-        bandsum += (attn * band[:, None]).sum(2)
+        outside = cols[None, None, :] <= rows[None, :, None] - windows[:, None, None]  # (B, c, T)
+        bandsum += attn.masked_fill_(outside[:, None], 0).sum(2)
     return colsum.view(B, K, G, T).mean(2), bandsum.view(B, K, G, T).mean(2)
 
 

@@ -1,0 +1,292 @@
+"""A slow, independent model of the FastGen cache, to test the real one against.
+
+The reference shares no code with `cache.py` or `profiling.py` (`drive` only
+builds the cache under test). Each segment
+(sequence, KV head) is a Python set of kept positions and a dict of their
+heavy-hitter scores; attention is dense, in float64, over every key the
+sequence has ever seen, masked to the kept set; profiling builds the whole
+attention matrix and sums it row by row. Policies are read only through their
+classes and parameters (`policy.members()`, `r`, `n`): their semantics are
+re-implemented here on sets, from the design notes.
+
+`CheckedCache` runs a `FastGenCache` and the reference side by side and
+asserts after every call that both hold the same tokens with the same scores
+and return the same attention output.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn as nn
+
+from policies import PUNCT, SPECIAL, Frequent, Full, Local, Punct, Sink, Special
+
+# Scores accumulate float32 roundoff in the cache; two tokens whose scores are
+# closer than this are a tie, which the reference breaks the way the cache did.
+TIE = 1e-4
+
+
+def ceil_share(r: float, n: int) -> int:
+    """ceil(r * n), exactly, for r as typed in decimal."""
+    return math.ceil(Fraction(str(r)) * n)
+
+
+def top(held, score, budget, prefer=()):
+    """The `budget` held tokens with the largest scores. Scores within TIE of the
+    last one taken are ties; among ties, tokens in `prefer` go first."""
+    if budget >= len(held):
+        return set(held)
+    ranked = sorted(held, key=lambda j: -score[j])
+    last = score[ranked[budget - 1]]
+    sure = {j for j in held if score[j] > last + TIE}
+    ties = [j for j in ranked if abs(score[j] - last) <= TIE]
+    ties.sort(key=lambda j: next((i for i, p in enumerate(prefer) if j in p), len(prefer)))
+    return sure | set(ties[:budget - len(sure)])
+
+
+def keep(policy, held, seen, prompt_len, flags, score, hint=frozenset()):
+    """The positions of `held` that `policy` keeps, on plain sets.
+
+    flags[j]: the token flags at position j; score[j]: its cumulative attention;
+    hint: the positions the cache under test kept, used only to break ties.
+    """
+    by_others = set()  # what the members other than Frequent keep
+    frequent = []
+    for m in policy.members():
+        if isinstance(m, Special):
+            by_others |= {j for j in held if flags[j] & SPECIAL or j == 0}
+        elif isinstance(m, Punct):
+            by_others |= {j for j in held if flags[j] & PUNCT}
+        elif isinstance(m, Local):
+            by_others |= {j for j in held if j >= seen - ceil_share(m.r, prompt_len)}
+        elif isinstance(m, Sink):
+            by_others |= {j for j in held if j < m.n}
+        elif isinstance(m, Full):
+            by_others |= set(held)
+        elif isinstance(m, Frequent):
+            frequent.append(m)
+        else:
+            raise TypeError(f"the reference does not know {m!r}")
+    kept = set(by_others)
+    for m in frequent:
+        # A tie the cache resolved must be resolved the same way: prefer the tied
+        # tokens the cache kept that no other member explains, then the others it kept.
+        kept |= top(held, score, ceil_share(m.r, seen), prefer=(set(hint) - by_others, set(hint)))
+    return kept
+
+
+def prompt_attention(q, k):
+    """The causal attention matrix, (G, L, L) in float64, of queries q: (G, L, D)
+    over keys k: (L, D)."""
+    L, D = k.shape
+    logits = q.double() @ k.double().T / math.sqrt(D)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    return logits.masked_fill(~causal, -math.inf).softmax(-1)
+
+
+def brute_recovery(policy, A, prompt_len, flags, colsum):
+    """Share of attention `policy` recovers, from the whole attention matrix.
+
+    A: (G, L, L) causal attention of the G query heads of one KV head. Row i
+    keeps the policy's fixed set plus, when it has a Local member, its window
+    {j : i - W < j <= i}; the mass on the kept set is averaged over rows and heads.
+    """
+    G, L, _ = A.shape
+    fixed_members = [m for m in policy.members() if not isinstance(m, Local)]
+    fixed = set()
+    for m in fixed_members:
+        fixed |= keep(m, set(range(L)), L, L, flags, colsum)
+    mask = torch.zeros(L, L, dtype=torch.bool)
+    mask[:, sorted(fixed)] = True
+    for m in policy.members():
+        if isinstance(m, Local):
+            W = ceil_share(m.r, prompt_len)
+            for i in range(L):
+                mask[i, max(0, i - W + 1):i + 1] = True
+    return float((A * mask).sum() / (G * L))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tensors here are tiny: a thread pool only adds synchronisation, which
+    on a busy machine costs more than the work. Modules import this fixture."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Reference:
+    """The reference for one layer: B sequences, K KV heads, S = B*K segments."""
+
+    def __init__(self, policies, threshold, prompt_lens, n_kv_heads, token_flags):
+        self.policies = list(policies)
+        self.threshold = threshold
+        self.lens = [int(n) for n in prompt_lens]
+        self.K = n_kv_heads
+        self.token_flags = token_flags.tolist()
+
+    def seg(self, b, h):
+        return b * self.K + h
+
+    def prefill(self, q, k, v, tokens, state):
+        """q: (B, H, T, D), k, v: (B, K, T, D). `state` is the cache's, after its
+        prefill (see `read_state`), for ties only. Returns the output (B, H, T, D)
+        on the real rows (padding rows are zero)."""
+        B, H, T, D = q.shape
+        K, G = self.K, H // self.K
+        y = torch.zeros(B, H, T, D, dtype=torch.float64)
+        self.flags = [[self.token_flags[t] for t in tokens[b, :L].tolist()]
+                      for b, L in enumerate(self.lens)]
+        self.k, self.v, self.score, self.kept, self.policy = {}, {}, {}, {}, {}
+        self.recovery = torch.zeros(B * K, len(self.policies), dtype=torch.float64)
+        self.choice = []
+        self.dropped = 0  # held tokens let go later, all segments together
+        for b, L in enumerate(self.lens):
+            for h in range(K):
+                s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
+                kk, vv = k[b, h, :L].double(), v[b, h, :L].double()
+                A = prompt_attention(q[b, heads, :L], kk)  # (G, L, L)
+                y[b, heads, :L] = A @ vv
+                colsum = A.sum(1).mean(0).tolist()  # (L,) attention each token received
+                self.recovery[s] = torch.tensor([brute_recovery(p, A, L, self.flags[b], colsum)
+                                                 for p in self.policies])
+                self.choice.append(self.choose(self.recovery[s], state.choice[s]))
+                self.policy[s] = self.policies[self.choice[s]]
+                self.k[s], self.v[s] = kk, vv
+                self.kept[s] = keep(self.policy[s], set(range(L)), L, L, self.flags[b],
+                                    colsum, state.kept[s])
+                self.score[s] = {j: colsum[j] for j in self.kept[s]}
+        return y
+
+    def choose(self, recovery, cache_choice):
+        """The first policy reaching the threshold (Full when the threshold is >= 1);
+        a recovery within rounding of the threshold may go either way."""
+        n = len(self.policies)
+        if n == 1 or self.threshold >= 1:
+            return n - 1
+        if any(abs(float(r) - self.threshold) < 1e-5 for r in recovery):
+            return cache_choice
+        return next((i for i, r in enumerate(recovery.tolist()) if r >= self.threshold), n - 1)
+
+    def decode(self, q, k, v, input_pos, tokens, state):
+        """One new token per sequence. q: (B, H, 1, D), k, v: (B, K, 1, D),
+        input_pos, tokens: (B, 1). Returns the output (B, H, 1, D)."""
+        B, H, _, D = q.shape
+        K, G = self.K, H // self.K
+        y = torch.zeros(B, H, 1, D, dtype=torch.float64)
+        for b in range(B):
+            p = int(input_pos[b, 0])
+            assert p == len(self.flags[b]), "positions must advance one token at a time"
+            self.flags[b].append(self.token_flags[int(tokens[b, 0])])
+            for h in range(K):
+                s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
+                self.k[s] = torch.cat([self.k[s], k[b, h].double()])  # (p + 1, D)
+                self.v[s] = torch.cat([self.v[s], v[b, h].double()])
+                visible = self.kept[s] | {p}
+                mask = torch.zeros(p + 1, dtype=torch.bool)
+                mask[sorted(visible)] = True
+                logits = q[b, heads, 0].double() @ self.k[s].T / math.sqrt(D)  # (G, p + 1)
+                probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
+                y[b, heads, 0] = probs @ self.v[s]
+                got = probs.mean(0).tolist()
+                score = {j: self.score[s].get(j, 0.0) + got[j] for j in visible}
+                held = self.kept[s]
+                self.kept[s] = keep(self.policy[s], visible, p + 1, self.lens[b], self.flags[b],
+                                    score, state.kept[s])
+                self.dropped += len(held - self.kept[s])
+                self.score[s] = {j: score[j] for j in self.kept[s]}
+        return y
+
+
+class State:
+    """What a FastGenCache holds, per segment: {position: score}, and its plan."""
+
+    def __init__(self, cache):
+        S = len(cache.choice)
+        self.choice = cache.choice.tolist()
+        self.kept: list[dict[int, float]] = [None] * S
+        self.free = [None] * S
+        for bucket in cache.buckets:
+            for row, s in enumerate(bucket.seg.tolist()):
+                pos, score = bucket.pos[row], bucket.score[row]
+                held = pos >= 0
+                self.kept[s] = dict(zip(pos[held].tolist(), score[held].tolist()))
+                assert len(self.kept[s]) == int(held.sum()), f"segment {s} holds a position twice"
+                self.free[s] = int((~held).sum())
+        assert all(kept is not None for kept in self.kept), "a segment is in no bucket"
+
+
+def compare(ref: Reference, state: State):
+    """The cache and the reference hold the same tokens with the same scores."""
+    for s, held in enumerate(state.kept):
+        assert set(held) == ref.kept[s], (
+            f"segment {s} ({ref.policy[s]!r}): cache holds {sorted(held)}, "
+            f"reference {sorted(ref.kept[s])}")
+        for j, score in held.items():
+            assert math.isclose(score, ref.score[s][j], rel_tol=1e-4, abs_tol=1e-5), (
+                f"segment {s}: score of position {j} is {score}, reference {ref.score[s][j]}")
+        # The next step writes its token into a free slot.
+        assert state.free[s] >= 1, f"segment {s} has no free slot left"
+
+
+class CheckedCache(nn.Module):
+    """A FastGenCache checked against the reference on every call."""
+
+    def __init__(self, cache, atol=1e-5):
+        super().__init__()
+        self.cache = cache
+        self.ref = Reference(cache.policies, cache.threshold, cache.prompt_lens.tolist(),
+                             cache.n_kv_heads, cache.token_flags)
+        self.atol = atol
+        self.steps = 0
+
+    def forward(self, q, k, v, input_pos, tokens):
+        prefill = self.cache.buckets is None
+        y = self.cache(q, k, v, input_pos, tokens)
+        state = State(self.cache)
+        if prefill:
+            expected = self.ref.prefill(q, k, v, tokens, state)
+            torch.testing.assert_close(self.cache.recovery.double(), self.ref.recovery,
+                                       atol=1e-4, rtol=0)
+            assert state.choice == self.ref.choice
+            for b, L in enumerate(self.ref.lens):
+                torch.testing.assert_close(y[b, :, :L].double(), expected[b, :, :L],
+                                           atol=self.atol, rtol=0)
+        else:
+            expected = self.ref.decode(q, k, v, input_pos, tokens, state)
+            torch.testing.assert_close(y.double(), expected, atol=self.atol, rtol=0)
+            self.steps += 1
+        compare(self.ref, state)
+        return y
+
+
+def drive(policies, threshold, stream, lens, n_heads, n_kv_heads, max_new_tokens, token_flags, *,
+          head_dim=8, seed=0, scale=1.5) -> CheckedCache:
+    """Run a FastGenCache and the reference on random queries, keys and values:
+    a prefill of prompts `lens` long, then max_new_tokens - 1 decode steps.
+
+    stream: (B, max(lens) + max_new_tokens - 1) token ids; sequence b's prompt is
+    stream[b, :lens[b]] and its new tokens follow. `scale` sharpens attention
+    so that heavy hitters stand out.
+    """
+    from cache import FastGenCache
+    g = torch.Generator().manual_seed(seed)
+    B, T, D = len(lens), max(lens), head_dim
+    randn = lambda *shape: torch.randn(*shape, generator=g)
+    cache = FastGenCache(policies, threshold, torch.tensor(lens), max_new_tokens, n_kv_heads,
+                         token_flags)
+    checked = CheckedCache(cache)
+    with torch.no_grad():
+        # Padding rows and columns hold junk that must not matter.
+        checked(randn(B, n_heads, T, D) * scale, randn(B, n_kv_heads, T, D) * scale,
+                randn(B, n_kv_heads, T, D), torch.arange(T).expand(B, T), stream[:, :T])
+        pos = torch.tensor(lens)[:, None]
+        for step in range(max_new_tokens - 1):
+            tokens = stream.gather(1, pos + step)
+            checked(randn(B, n_heads, 1, D) * scale, randn(B, n_kv_heads, 1, D) * scale,
+                    randn(B, n_kv_heads, 1, D), pos + step, tokens)
+    return checked

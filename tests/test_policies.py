@@ -1,0 +1,247 @@
+"""Policies keep exactly their sets; unions, bounds, flags and the shortlist."""
+import math
+import random
+
+import pytest
+import torch
+
+from policies import (PUNCT, SPECIAL, Frequent, Full, Local, Punct, Sink, Slots, Special, Union,
+                      baseline, shortlist, token_flags)
+from tokenizer import _is_punctuation
+
+
+def slots(pos, flags=None, score=None, seen=None, prompt_len=None):
+    """One segment's Slots from plain lists; pos -1 marks an empty slot."""
+    pos = torch.tensor([pos])
+    C = pos.shape[1]
+    flags = torch.tensor([flags or [0] * C], dtype=torch.uint8)
+    score = torch.tensor([score or [0.0] * C])
+    held = pos[pos >= 0]
+    seen = torch.tensor([[seen if seen is not None else int(held.max()) + 1]])
+    prompt_len = torch.tensor([[prompt_len if prompt_len is not None else int(seen)]])
+    return Slots(pos, score, flags, seen, prompt_len)
+
+
+def kept(policy, s):
+    """The positions a policy keeps in a one-segment Slots."""
+    return set(s.pos[policy.keep(s)].tolist())
+
+
+# Ten slots out of position order, two of them empty (with flags and scores that
+# would be kept if the slot were not empty).
+POS = [3, 0, 7, -1, 9, 1, 5, -1, 8, 2]
+FLAGS = [PUNCT, 0, SPECIAL, SPECIAL, PUNCT | SPECIAL, 0, PUNCT, PUNCT, 0, SPECIAL]
+SCORE = [0.5, 2.0, 0.1, 9.0, 0.3, 1.5, 0.7, 9.0, 0.2, 0.9]
+
+
+def example(seen=10, prompt_len=10):
+    return slots(POS, FLAGS, SCORE, seen, prompt_len)
+
+
+def test_special_keeps_special_tokens_and_the_first_position():
+    assert kept(Special(), example()) == {7, 9, 2, 0}
+
+
+def test_punct_keeps_punctuation():
+    assert kept(Punct(), example()) == {3, 9, 5}
+
+
+def test_sink_keeps_the_first_positions():
+    assert kept(Sink(4), example()) == {0, 1, 2, 3}
+    assert kept(Sink(1), example()) == {0}
+
+
+def test_full_keeps_every_held_token():
+    assert kept(Full(), example()) == {0, 1, 2, 3, 5, 7, 8, 9}
+
+
+@pytest.mark.parametrize("r, prompt_len, window", [(0.3, 10, 3), (0.2, 10, 2), (0.25, 10, 3),
+                                                   (0.5, 7, 4), (0.1, 10, 1), (0.01, 10, 1),
+                                                   (1.0, 10, 10), (0.7, 10, 7), (0.6, 5, 3)])
+def test_local_window_is_ceil_of_r_times_prompt_len(r, prompt_len, window):
+    # ceil(0.3 * 10) must be 3 although 0.3 * 10 is 3.0000000000000004 in floats.
+    s = slots(list(range(prompt_len)), seen=prompt_len, prompt_len=prompt_len)
+    assert kept(Local(r), s) == set(range(prompt_len - window, prompt_len))
+
+
+def test_local_window_slides_with_generation():
+    # Prompt of 10, window 3; after 4 generated tokens the sequence has seen 14.
+    held = [13, 2, 11, 12, -1, 10, 9, 0]
+    s = slots(held, seen=14, prompt_len=10)
+    assert kept(Local(0.3), s) == {11, 12, 13}
+
+
+@pytest.mark.parametrize("r, seen, budget", [(0.3, 10, 3), (0.5, 10, 5), (0.2, 9, 2),
+                                             (0.3, 7, 3), (0.1, 10, 1), (1.0, 10, 10)])
+def test_frequent_keeps_the_top_ceil_r_seen_by_score(r, seen, budget):
+    s = example(seen=seen, prompt_len=10)
+    by_score = sorted(((sc, p) for p, sc in zip(POS, SCORE) if p >= 0), reverse=True)
+    assert kept(Frequent(r), s) == {p for _, p in by_score[:budget]}
+
+
+def test_frequent_never_keeps_empty_slots():
+    # The empty slots carry the largest scores; they must not count or be kept.
+    assert kept(Frequent(0.2), example()) == {0, 1}
+
+
+def test_frequent_with_fewer_held_than_budget_keeps_all():
+    s = slots([4, -1, 1, -1], score=[0.1, 5.0, 0.2, 5.0], seen=20, prompt_len=10)
+    assert kept(Frequent(0.5), s) == {1, 4}
+
+
+def test_empty_slots_are_never_kept():
+    s = slots([-1, -1, -1], flags=[SPECIAL, PUNCT, SPECIAL | PUNCT], score=[1.0, 2.0, 3.0],
+              seen=3, prompt_len=3)
+    for policy in [Special(), Punct(), Local(1.0), Frequent(1.0), Sink(4), Full(),
+                   Special() | Punct() | Frequent(1.0) | Local(1.0)]:
+        assert not policy.keep(s).any(), policy
+
+
+def test_keep_works_segment_by_segment():
+    # Two segments with different prompt lengths and seen counts in one Slots.
+    a, b = example(seen=10, prompt_len=10), slots([0, 1, 2, 3, 4, 5, -1, -1, -1, -1],
+                                                  seen=6, prompt_len=6)
+    both = Slots(*(torch.cat([getattr(a, f), getattr(b, f)]) for f in
+                   ("pos", "score", "flags", "seen", "prompt_len")))
+    for policy in [Local(0.5), Frequent(0.3), Special() | Punct()]:
+        keep = policy.keep(both)
+        assert torch.equal(keep[0], policy.keep(a)[0])
+        assert torch.equal(keep[1], policy.keep(b)[0])
+    assert torch.equal(both[1:].pos, b.pos)
+
+
+# --- Unions -------------------------------------------------------------------
+
+def test_union_flattens_dedups_and_prints():
+    u = (Special() | Punct()) | (Punct() | Frequent(0.3)) | Special()
+    assert isinstance(u, Union)
+    assert u.members() == (Special(), Punct(), Frequent(0.3))
+    assert repr(u) == "Special | Punct | Frequent(0.3)"
+    assert repr(Sink(4) | Local(0.25)) == "Sink(4) | Local(0.25)"
+    assert u == Special() | Punct() | Frequent(0.3)
+    assert hash(u) == hash(Special() | Punct() | Frequent(0.3))
+    assert u != Special() | Frequent(0.3) | Punct()  # order is part of the shortlist
+    assert Local(0.3) == Local(0.3) and Local(0.3) != Local(0.2) and Local(0.3) != Frequent(0.3)
+    assert len({Local(0.3), Local(0.3), Frequent(0.3)}) == 2
+
+
+def test_union_keeps_what_any_member_keeps():
+    s = example(seen=12, prompt_len=10)
+    members = [Special(), Punct(), Frequent(0.3), Local(0.3), Sink(2)]
+    for n in range(1, len(members) + 1):
+        policy = members[0]
+        for m in members[1:n]:
+            policy = policy | m
+        expected = torch.zeros_like(s.valid)
+        for m in members[:n]:
+            expected |= m.keep(s)
+        assert torch.equal(policy.keep(s), expected), policy
+        # A token is evicted only when no member keeps it.
+        for j in range(len(POS)):
+            if POS[j] >= 0 and not policy.keep(s)[0, j]:
+                assert not any(m.keep(s)[0, j] for m in members[:n])
+
+
+# --- Bounds -------------------------------------------------------------------
+
+def random_prompt(rng, n, C):
+    """n segments with prompts of random lengths, tokens in random slot order."""
+    lens = [rng.randint(1, C) for _ in range(n)]
+    pos = torch.full((n, C), -1)
+    for i, L in enumerate(lens):
+        cols = rng.sample(range(C), L)
+        pos[i, cols] = torch.arange(L)
+    flags = torch.tensor([[rng.choice([0, 0, SPECIAL, PUNCT, SPECIAL | PUNCT]) for _ in range(C)]
+                          for _ in range(n)], dtype=torch.uint8)
+    score = torch.rand(n, C, generator=torch.Generator().manual_seed(rng.randint(0, 99)))
+    lens = torch.tensor(lens)[:, None]
+    return Slots(pos, score, flags, lens.clone(), lens)
+
+
+def grown(rng, prompt, max_seen):
+    """A later state of the same segments: a sequence that has seen up to
+    `max_seen` tokens holds any subset of them (the prompt's with their flags)."""
+    n, C = prompt.pos.shape
+    W = int(max_seen.max())
+    pos = torch.full((n, W), -1)
+    flags = torch.zeros(n, W, dtype=torch.uint8)
+    seen = torch.zeros(n, 1, dtype=torch.long)
+    for i in range(n):
+        L = int(prompt.prompt_len[i])
+        seen[i] = rng.randint(L, int(max_seen[i]))
+        prompt_flags = {int(p): int(f) for p, f in zip(prompt.pos[i], prompt.flags[i]) if p >= 0}
+        held = sorted(rng.sample(range(int(seen[i])), rng.randint(0, int(seen[i]))))
+        cols = rng.sample(range(W), len(held))
+        for c, p in zip(cols, held):
+            pos[i, c] = p
+            flags[i, c] = prompt_flags[p] if p < L else rng.choice([0, SPECIAL, PUNCT])
+    score = torch.rand(n, W, generator=torch.Generator().manual_seed(rng.randint(0, 99)))
+    return Slots(pos, score, flags, seen, prompt.prompt_len)
+
+
+BOUNDED = [Special(), Punct(), Local(0.3), Local(0.05), Frequent(0.3), Frequent(0.15), Sink(4),
+           Full(), *shortlist(), *shortlist(0.1, 0.5), baseline("sink", 0.4),
+           baseline("h2o", 0.5), baseline("local", 0.2)]
+
+
+@pytest.mark.parametrize("policy", BOUNDED, ids=repr)
+def test_bound_is_an_upper_bound_of_what_is_kept(policy):
+    rng = random.Random(repr(policy))
+    for _ in range(30):
+        prompt = random_prompt(rng, n=4, C=12)
+        max_seen = prompt.prompt_len[:, 0] + torch.tensor([rng.randint(0, 10) for _ in range(4)])
+        bound = policy.bound(prompt, max_seen)
+        assert bound.shape == (4,)
+        assert (policy.keep(prompt).sum(1) <= bound).all()
+        for _ in range(5):
+            later = grown(rng, prompt, max_seen)
+            assert (policy.keep(later).sum(1) <= bound).all(), (later, bound)
+
+
+# --- Flags, shortlist, baselines ------------------------------------------------
+
+def test_token_flags_table():
+    flags = token_flags(10, special_ids=[1, 2], punct_ids=iter([2, 3, 9]))
+    assert flags.dtype == torch.uint8 and flags.shape == (10,)
+    assert flags.tolist() == [0, SPECIAL, SPECIAL | PUNCT, PUNCT, 0, 0, 0, 0, 0, PUNCT]
+    assert token_flags(4, [], []).tolist() == [0, 0, 0, 0]
+
+
+def test_shortlist_order():
+    s, p, f, l = Special(), Punct(), Frequent(0.3), Local(0.3)
+    assert shortlist() == [s, s | p, s | p | f, s | p | f | l, Full()]
+    assert [repr(x) for x in shortlist(0.2, 0.1)] == [
+        "Special", "Special | Punct", "Special | Punct | Frequent(0.1)",
+        "Special | Punct | Frequent(0.1) | Local(0.2)", "Full"]
+
+
+def test_baselines():
+    assert baseline("full", 0.5) == Full()
+    assert baseline("local", 0.5) == Local(0.5)
+    assert baseline("sink", 0.5) == Sink(4) | Local(0.5)
+    assert baseline("h2o", 0.5) == Frequent(0.25) | Local(0.25)
+    with pytest.raises(ValueError, match="unknown baseline"):
+        baseline("snapkv", 0.5)
+
+
+# --- Punctuation detection -------------------------------------------------------
+
+@pytest.mark.parametrize("text, punct", [
+    (".", True), (" ,", True), ("?!", True), ("...", True), (" .\n", True), ("\u3002", True),
+    ("--", True), ("\u2014", True), ("\"", True), ("')", True),
+    ("\n", False),    # newline-only: empty once whitespace is stripped
+    ("\n\n", False), (" ", False), ("", False),
+    ("a.", False), (".a", False), ("1", False), ("<0x2E>", False), ("$", False), ("+", False),
+])
+def test_is_punctuation(text, punct):
+    assert _is_punctuation(text) is punct
+
+
+def test_ceil_share_matches_exact_arithmetic():
+    # Local and Frequent budgets are exact ceilings for the ratios people type.
+    from fractions import Fraction
+    from policies import share
+    for r in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.45, 0.5, 0.7, 0.9, 1.0):
+        n = torch.arange(0, 200)
+        expected = [math.ceil(Fraction(str(r)) * int(i)) for i in n]
+        assert share(r, n).tolist() == expected, r

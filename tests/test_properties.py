@@ -1,0 +1,96 @@
+"""Property tests: on random token streams, policy mixes, batch shapes and GQA
+ratios, the FastGen cache holds exactly what the slow reference holds and
+returns the same attention, at every step."""
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache import fastgen_caches
+from model import ModelArgs, Transformer
+from policies import (PUNCT, SPECIAL, Frequent, Full, Local, Punct, Sink, Special, shortlist,
+                      token_flags)
+from reference import one_thread  # noqa: F401  (autouse fixture)
+from reference import CheckedCache, drive
+
+# Token ids 0-7: four plain, one special, two punctuation, one both.
+FLAGS = token_flags(8, special_ids=[4, 7], punct_ids=[5, 6, 7])
+assert FLAGS.tolist() == [0, 0, 0, 0, SPECIAL, PUNCT, PUNCT, SPECIAL | PUNCT]
+
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def policy_lists(draw):
+    """A shortlist, a single fixed policy (the baselines), or a random mix; one
+    Local ratio per list, as profiling requires."""
+    r_local = draw(st.sampled_from([0.1, 0.15, 0.2, 0.3, 0.5]))
+    r_frequent = draw(st.sampled_from([0.1, 0.2, 0.3, 0.5]))
+    sink = draw(st.integers(1, 4))
+    pool = [Special(), Punct(), Local(r_local), Frequent(r_frequent), Sink(sink), Full(),
+            Sink(sink) | Local(r_local), Frequent(r_frequent) | Local(r_local),
+            *shortlist(r_local, r_frequent)[1:4]]
+    kind = draw(st.sampled_from(["shortlist", "fixed", "mix"]))
+    if kind == "shortlist":
+        policies = shortlist(r_local, r_frequent)
+    elif kind == "fixed":
+        return [draw(st.sampled_from(pool))], 0.0
+    else:
+        policies = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=5, unique=True))
+    return policies, draw(st.sampled_from([0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0]))
+
+
+@st.composite
+def runs(draw):
+    B = draw(st.integers(1, 3))
+    n_kv_heads = draw(st.integers(1, 3))
+    n_heads = n_kv_heads * draw(st.integers(1, 3))
+    lens = draw(st.lists(st.integers(1, 20), min_size=B, max_size=B))
+    max_new_tokens = draw(st.integers(1, 40))
+    width = max(lens) + max_new_tokens - 1
+    # Mostly plain tokens, so that Special and Punct keep a minority.
+    token = st.sampled_from([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7])
+    stream = torch.tensor(draw(st.lists(st.lists(token, min_size=width, max_size=width),
+                                        min_size=B, max_size=B)))
+    policies, threshold = draw(policy_lists())
+    return dict(policies=policies, threshold=threshold, stream=stream, lens=lens,
+                n_heads=n_heads, n_kv_heads=n_kv_heads, max_new_tokens=max_new_tokens,
+                seed=draw(st.integers(0, 2**16)), scale=draw(st.sampled_from([0.5, 1.5, 3.0])))
+
+
+@SETTINGS
+@given(runs())
+def test_cache_agrees_with_reference_at_every_step(run):
+    checked = drive(run["policies"], run["threshold"], run["stream"], run["lens"], run["n_heads"],
+                    run["n_kv_heads"], run["max_new_tokens"], FLAGS, seed=run["seed"],
+                    scale=run["scale"])
+    assert checked.steps == run["max_new_tokens"] - 1
+    cache = checked.cache
+    assert cache.kept() == sum(map(len, checked.ref.kept.values()))
+    assert cache.nbytes() == sum(t.nbytes for b in cache.buckets
+                                 for t in (b.k, b.v, b.pos, b.score, b.flags, b.seg, b.prompt_len))
+
+
+@settings(SETTINGS, max_examples=15)
+@given(n_kv_heads=st.sampled_from([1, 2, 4]), lens=st.lists(st.integers(2, 16), min_size=1,
+                                                          max_size=3),
+       max_new_tokens=st.integers(2, 24), policies=policy_lists(), seed=st.integers(0, 2**16))
+def test_model_caches_agree_with_reference(n_kv_heads, lens, max_new_tokens, policies, seed):
+    """Through the tiny model: real projections, positions and token ids."""
+    policies, threshold = policies
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs.tiny(n_kv_heads=n_kv_heads, vocab_size=8)).eval()
+    caches = [CheckedCache(c) for c in fastgen_caches(model, policies, threshold, lens,
+                                                       max_new_tokens, FLAGS)]
+    model.setup_caches(caches)
+    B, T = len(lens), max(lens)
+    tokens = torch.randint(0, 8, (B, T))
+    lens_t = torch.tensor(lens)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(T).expand(B, T))[torch.arange(B), lens_t - 1]
+        cur = logits.argmax(-1)[:, None]
+        for i in range(max_new_tokens - 1):
+            cur = model(cur, lens_t[:, None] + i)[:, -1].argmax(-1)[:, None]
+    model.setup_caches(None)
+    assert all(c.steps == max_new_tokens - 1 for c in caches)
