@@ -209,6 +209,28 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     return gen
 
 
+@torch.no_grad()
+def score(model: Transformer, prompts: list[list[int]], continuations: list[list[int]], *,
+          kv: str = "full", token_flags=None, **cache_options) -> torch.Tensor:
+    """Teacher-forced logits (B, N, V): for each continuation token, the model's
+    prediction given the prompt and the continuation before it, decoded
+    step by step through the chosen cache. Continuations share one length N."""
+    device = model.tok_embeddings.weight.device
+    B, lens, N = len(prompts), [len(p) for p in prompts], len(continuations[0])
+    tokens = torch.zeros(B, max(lens), dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, device=device)
+    follow = torch.tensor(continuations, device=device)  # (B, N)
+    prompt_lens = torch.tensor(lens, device=device)
+    model.setup_caches(make_caches(model, kv, lens, N, token_flags, **cache_options))
+    logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens))
+    out = [logits[torch.arange(B, device=device), prompt_lens - 1]]
+    for i in range(N - 1):
+        out.append(model(follow[:, i:i + 1], (prompt_lens + i)[:, None])[:, 0])
+    model.setup_caches(None)
+    return torch.stack(out, dim=1)
+
+
 # --- The command line and Python API ---------------------------------------
 
 def read_prompts(prompt, prompt_file) -> list[str]:
