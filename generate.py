@@ -25,6 +25,10 @@ class UsageError(Exception):
     """A mistake in the arguments; the message names it and the fix (exit status 2)."""
 
 
+class OutOfMemory(Exception):
+    """Generation ran out of memory; the message says how big the cache was and what to lower."""
+
+
 # --- Sampling ---------------------------------------------------------------
 
 def sample(logits, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0):
@@ -114,6 +118,7 @@ class Generation:
     plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
     recovery: list[list[list[float]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    interrupted: bool = False           # Ctrl-C stopped decoding; tokens hold what came before
 
     def summary(self) -> str:
         n_prompt, n_gen = sum(self.prompt_lens), sum(len(t) for t in self.tokens)
@@ -183,22 +188,27 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     input_pos = prompt_lens[:, None].clone()
     decode_s = compile_s = 0.0
     steps = 0
-    while not finished and steps < max_new_tokens - 1:
-        t0 = time.perf_counter()
-        cur = step(model, cur, input_pos, **sampling)
-        sync()
-        elapsed = time.perf_counter() - t0
-        if compile and steps == 0:
-            compile_s = elapsed  # the first call compiles; it is not a decode speed
-        else:
-            decode_s += elapsed
-        steps += 1
-        input_pos += 1
-        finished = emit(cur)
+    interrupted = False
+    try:
+        while not finished and steps < max_new_tokens - 1:
+            t0 = time.perf_counter()
+            cur = step(model, cur, input_pos, **sampling)
+            sync()
+            elapsed = time.perf_counter() - t0
+            if compile and steps == 0:
+                compile_s = elapsed  # the first call compiles; it is not a decode speed
+            else:
+                decode_s += elapsed
+            steps += 1
+            input_pos += 1
+            finished = emit(cur)
+    except KeyboardInterrupt:
+        interrupted = True  # keep what was generated so far
     caches = model.caches()
     gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
                      compile_s, sum(c.nbytes() for c in caches),
                      dense_kv_bytes(model, B, T + max_new_tokens))
+    gen.interrupted = interrupted
     if kv != "full":
         K = model.args.n_kv_heads
         gen.kept_tokens = sum(c.kept() for c in caches)
@@ -268,6 +278,12 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
     need(dev.type != "cuda" or torch.cuda.is_available(),
          "--device cuda asked for, but this machine has no CUDA GPU; use --device cpu")
     need(dev.type in ("cpu", "cuda", "mps"), f"--device {device!r} is not supported; use cpu or cuda")
+    try:
+        x = torch.ones(2, 2, dtype=DTYPES[dtype], device=dev)
+        (x @ x).softmax(-1)
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(f"--dtype {dtype} does not run on {device} ({str(e).splitlines()[0]}); "
+                         "use --dtype float32")
 
 
 def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = None,
@@ -276,7 +292,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
          recovery: float = 0.95, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float = 0.5, save_plan: str | None = None, stream: bool = False,
-         verbose: bool = False) -> Generation:
+         allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (the default model if `ckpt` is None) and generate.
 
     With `stream`, a single prompt's text is printed as it is generated.
@@ -293,7 +309,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
         from convert_gguf import default_checkpoint
         ckpt = default_checkpoint()
     torch.manual_seed(seed)
-    model = load_model(ckpt, DTYPES[dtype], device)
+    model = load_model(ckpt, DTYPES[dtype], device, allow_pickle)
     tok = Tokenizer(ckpt)
     if chat:
         texts = [tok.apply_chat(t) for t in texts]
@@ -317,6 +333,15 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
                        compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
                        r_local=r_local, r_frequent=r_frequent, kv_budget=kv_budget,
                        temperature=temperature, top_k=top_k, top_p=top_p)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if "memory" not in str(e).lower():
+            raise
+        need = dense_kv_bytes(model, len(prompts), longest + max_new_tokens)
+        raise OutOfMemory(
+            f"out of memory on {device}: a full KV cache for {len(prompts)} prompt(s) of up to "
+            f"{longest} tokens plus {max_new_tokens} new ones takes {need / 2**30:.2f} GiB "
+            "(besides the weights and the prompt's activations); lower --max-new-tokens, "
+            "the number of prompts or the prompt length, or use --kv fastgen or --dtype bfloat16")
     finally:
         if printer:
             printer.finish()
@@ -388,13 +413,16 @@ def parse_args(argv=None):
                    "budget as a share of the tokens seen (default 0.3)")
     p.add_argument("--kv-budget", type=float, default=0.5, help="local/sink/h2o: share of "
                    "the prompt each head keeps (default 0.5)")
+    p.add_argument("--allow-pickle", action="store_true", help="also load *.bin/*.pth "
+                   "weights (pickles) when a checkpoint has no safetensors, with "
+                   "torch.load(weights_only=True); off by default because unpickling can run code")
     p.add_argument("--save-plan", help="fastgen and baselines: write each head's policy and "
                    "recoveries to this JSON file")
     return p.parse_args(argv)
 
 
 def cli(argv=None) -> int:
-    from convert_gguf import ModelNotFound
+    from convert_gguf import ConversionError, ModelNotFound
     from model import CheckpointError
     from tokenizer import TokenizerError
 
@@ -406,15 +434,18 @@ def cli(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointError, TokenizerError, ModelNotFound) as e:
+    except (CheckpointError, TokenizerError, ModelNotFound, ConversionError, OutOfMemory) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        print("\ninterrupted before the first token", file=sys.stderr)
         return 130
     if not single:
         for i, text in enumerate(gen.texts):
             print(f"--- [{i}] ---\n{text}")
+    if gen.interrupted:
+        print("interrupted: the text above is what was generated so far", file=sys.stderr)
+        return 130
     print(gen.summary(), file=sys.stderr)
     return 0
 

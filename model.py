@@ -330,40 +330,62 @@ def read_config(ckpt: Path) -> dict:
         raise CheckpointError(f"{path} cannot be read as JSON ({e}); re-download the checkpoint")
 
 
-def weight_files(ckpt: Path) -> list[Path]:
+def weight_files(ckpt: Path, allow_pickle: bool = False) -> list[Path]:
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{index} is damaged ({e!r}); re-download it")
         return [ckpt / s for s in shards]
-    single = ckpt / "model.safetensors"
-    if single.is_file():
-        return [single]
-    pickles = sorted(p.name for p in ckpt.glob("*.bin")) + sorted(p.name for p in ckpt.glob("*.pth"))
-    hint = (f" It holds pickle files ({', '.join(pickles[:3])}), which are not loaded because "
-            "unpickling can run code; convert them to safetensors first.") if pickles else ""
+    if (ckpt / "model.safetensors").is_file():
+        return [ckpt / "model.safetensors"]
+    pickles = sorted(ckpt.glob("*.bin")) + sorted(ckpt.glob("*.pth"))
+    if pickles and allow_pickle:
+        return pickles
+    hint = (f" It holds pickle files ({', '.join(p.name for p in pickles[:3])}), which are not "
+            "loaded by default because unpickling can run code; pass --allow-pickle to load "
+            "them with torch.load(weights_only=True), or convert them to safetensors.") \
+        if pickles else ""
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {ckpt}.{hint}")
 
 
-def load_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_weights(f: Path) -> dict[str, torch.Tensor]:
+    """One weight file: safetensors, or (opted into) a pickle read with weights_only."""
+    if not f.is_file():
+        raise CheckpointError(f"{f} is missing (named in the index); re-download the checkpoint")
+    import pickle
+
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+    try:
+        if f.suffix == ".safetensors":
+            return load_file(f)
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{f} holds objects other than tensors, which are refused "
+                              f"even with --allow-pickle ({str(e).splitlines()[-1].strip()})")
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{f} is damaged or truncated ({str(e).splitlines()[0]}); "
+                              "re-download it")
+
+
+def load_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     sd = {}
     for f in files:
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing (named in the index); re-download the checkpoint")
-        try:
-            part = load_file(f)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{f} is damaged or truncated ({e}); re-download it")
-        for key, t in part.items():
+        for key, t in read_weights(f).items():
             ours = hf_to_ours(key)
             if ours is not None:
                 sd[ours] = t.to(dtype)
     return sd
 
 
-def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu") -> Transformer:
-    """Load an HF-format Llama checkpoint folder (config.json + safetensors)."""
+def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu",
+               allow_pickle: bool = False) -> Transformer:
+    """Load an HF-format Llama checkpoint folder (config.json + safetensors).
+
+    Pickle weights (`*.bin`, `*.pth`) load only with `allow_pickle`, and then
+    through `torch.load(weights_only=True)`, which refuses arbitrary objects."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint folder {ckpt} does not exist")
@@ -371,7 +393,7 @@ def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu") -> Transform
         args = ModelArgs.from_hf_config(read_config(ckpt))
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt / 'config.json'}: {e if not isinstance(e, KeyError) else f'missing field {e}'}")
-    sd = load_state_dict(weight_files(ckpt), dtype)
+    sd = load_state_dict(weight_files(ckpt, allow_pickle), dtype)
     if args.tie_embeddings:
         # Tied models share one matrix; some exports still save a copy as lm_head.
         sd["output.weight"] = sd.get("tok_embeddings.weight")

@@ -1,0 +1,105 @@
+"""Bad input fails with one clear line and the right exit status; Ctrl-C keeps what was made."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import generate
+from generate import cli, main
+from model import CheckpointError, load_model
+
+
+@pytest.fixture
+def ckpt(tiny_ckpt, tmp_path):
+    """A private copy of the tiny checkpoint that a test may damage."""
+    return shutil.copytree(tiny_ckpt, tmp_path / "copy")
+
+
+def run(capsys, *args):
+    status = cli(list(args))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def edit_config(ckpt, **changes):
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(config | changes))
+
+
+def edit_weights(ckpt, fn):
+    sd = load_file(ckpt / "model.safetensors")
+    fn(sd)
+    save_file(sd, ckpt / "model.safetensors")
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda c: (c / "config.json").unlink(), "config.json is missing"),
+    (lambda c: (c / "config.json").write_text("{not json"), "cannot be read as JSON"),
+    (lambda c: (c / "tokenizer.json").unlink(), "no tokenizer.json or tokenizer.model"),
+    (lambda c: (c / "model.safetensors").unlink(), "no model.safetensors"),
+    (lambda c: (c / "model.safetensors").write_bytes(
+        (c / "model.safetensors").read_bytes()[:5000]), "damaged or truncated"),
+    (lambda c: edit_config(c, model_type="gpt2"), "only Llama-family"),
+    (lambda c: edit_config(c, hidden_size=32), "has shape"),
+    (lambda c: edit_weights(c, lambda sd: sd.pop("model.norm.weight")), "missing tensors"),
+    (lambda c: edit_weights(c, lambda sd: sd.update(extra=torch.ones(1))), "unexpected tensors"),
+])
+def test_damaged_checkpoint_is_one_line_and_status_1(ckpt, capsys, damage, words):
+    damage(ckpt)
+    status, _, err = run(capsys, "--ckpt", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2")
+    assert status == 1
+    assert words in err and err.count("\n") == 1
+
+
+def test_pickle_is_refused_unless_opted_in(ckpt, capsys):
+    sd = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    torch.save(sd, ckpt / "pytorch_model.bin")
+    status, _, err = run(capsys, "--ckpt", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2")
+    assert status == 1 and "--allow-pickle" in err
+    model = load_model(ckpt, allow_pickle=True)
+    assert torch.equal(model.norm.weight, sd["model.norm.weight"])
+
+
+def test_pickle_with_code_is_refused_even_when_opted_in(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    torch.save({"model.norm.weight": torch.ones(2), "evil": print}, ckpt / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="refused even with --allow-pickle"):
+        load_model(ckpt, allow_pickle=True)
+
+
+def test_ctrl_c_keeps_the_text_so_far(tiny_ckpt, capsys, monkeypatch):
+    calls = []
+
+    def interrupted_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    real_step = generate.decode_one_token
+    monkeypatch.setattr(generate, "decode_one_token", interrupted_step)
+    status, out, err = run(capsys, "--ckpt", str(tiny_ckpt), "--prompt", "Hello, world",
+                           "--max-new-tokens", "12")
+    assert status == 130 and "interrupted" in err
+    calls.clear()
+    gen = main("Hello, world", ckpt=str(tiny_ckpt), max_new_tokens=12)
+    assert gen.interrupted and len(gen.tokens[0]) == 4  # prefill's token + 3 decode steps
+
+
+def test_out_of_memory_says_how_big_and_what_to_lower(tiny_ckpt, capsys, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(generate, "generate", no_memory)
+    status, _, err = run(capsys, "--ckpt", str(tiny_ckpt), "--prompt", "hi")
+    assert status == 1 and "GiB" in err and "--max-new-tokens" in err
+
+
+def test_full_and_fastgen_at_recovery_1_give_the_same_tokens(tiny_ckpt):
+    prompts = ["Hello, world! How are you?", "The quick brown fox jumps over the lazy dog."]
+    full = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10, kv="full")
+    fast = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10, kv="fastgen", recovery=1.0)
+    assert full.tokens == fast.tokens
