@@ -375,7 +375,13 @@ class StreamPrinter:
 
 def parse_args(argv=None):
     import argparse
-    p = argparse.ArgumentParser(
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one line, like every other error here
+            print(f"error: {message} (see --help)", file=sys.stderr)
+            sys.exit(2)
+
+    p = Parser(
         description="Generate text with a Llama-family checkpoint and a full or "
                     "FastGen-compressed KV cache.")
     p.add_argument("--prompt", action="append", help="prompt text; repeat the flag to run "
