@@ -1,0 +1,289 @@
+"""Decode and prefill speed of our Llama against HF transformers, and the roofline.
+
+    python bench.py                                # SmolLM2-135M, batch 1 and 8, ~40 min on 2 cores
+    python bench.py --compile none --runs 5 --out bench.md
+    python bench.py --quick --ckpt TINY_CHECKPOINT # a smoke test, seconds
+
+On the same checkpoint, in one process, with the same torch threads, it times
+HF `generate` (greedy, never stopping early, its DynamicCache) and our
+`generate` with the full (dense) cache and with the FastGen cache, eager and
+compiled. The prompts are random token ids from a fixed seed (or slices of
+`--prompt-file`), all the same length, so there is no padding. Runs go
+round-robin over the implementations, each after waiting (`--idle-wait`) for
+other processes to leave the cores; the CPU share column says how much of
+the cores each row really got.
+
+  prefill tok/s  prompt tokens / time to the first new token
+  decode tok/s   tokens after the first / their time. HF: generate(N tokens)
+                 - generate(1 token); ours: `Generation.decode_s`, which leaves
+                 out the first compiled step (reported as compile s)
+  roofline       a decode step must read every weight once (a tied embedding
+                 once: the output projection reads it whole) and the KV of the
+                 tokens seen; tok/s = batch x bandwidth / bytes per step
+  KV MiB         what the cache holds at the end (FastGen: % of the full cache)
+
+Each number is the median of `--runs` runs, after a short warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import generate as gen
+
+
+def machine_info(threads: int) -> str:
+    cpu = "unknown CPU"
+    if Path("/proc/cpuinfo").is_file():
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")), cpu)
+    return (f"{cpu}, {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}, "
+            f"{datetime.date.today().isoformat()}")
+
+
+def bandwidth_gbs(gib: float, reps: int = 5) -> float:
+    """Copy bandwidth in GB/s (1e9 bytes), counting read + write: 2 x size per copy."""
+    src = torch.ones(int(gib * 2**30) // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):  # the first copy also faults the pages in
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.nbytes / statistics.median(times[1:]) / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Weight bytes a decode step reads: each distinct tensor once, but of an untied
+    input embedding only the row of the token."""
+    total = sum(p.nbytes for p in {p.data_ptr(): p for p in model.parameters()}.values())
+    emb = model.tok_embeddings.weight
+    if emb.data_ptr() != model.output.weight.data_ptr():
+        total -= emb.nbytes - emb[0].nbytes
+    return total
+
+
+def make_prompts(args, vocab_size: int, tok) -> list[list[int]]:
+    """Prompts for the largest batch; smaller batches take the first ones."""
+    g = torch.Generator().manual_seed(args.seed)
+    B, T = max(args.batch), args.prompt_len
+    if args.prompt_file:
+        if tok is None:
+            raise SystemExit(f"--prompt-file needs a tokenizer in {args.ckpt}")
+        text = tok.encode(Path(args.prompt_file).read_text())
+        ids = text * (2 * T // len(text) + 1)  # at least 2T tokens: repeated if short
+        return [ids[s:s + T] for s in torch.randint(0, len(ids) - T, (B,), generator=g).tolist()]
+    # Ids from 100 up: the first ones are control tokens in most vocabularies.
+    return torch.randint(min(100, vocab_size // 2), vocab_size, (B, T), generator=g).tolist()
+
+
+def others_busy(seconds: float = 1.0) -> float:
+    """Share of all cores busy over `seconds` while this process idles (Linux; else 0)."""
+    def sample():
+        with open("/proc/stat") as f:
+            t = [int(x) for x in f.readline().split()[1:]]
+        return sum(t), t[3] + t[4]  # total, idle + iowait
+    if not Path("/proc/stat").is_file():
+        return 0.0
+    (t0, i0), _ = sample(), time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_until_idle(max_wait: float, busy: float = 0.25) -> None:
+    """Other processes on the cores make multithreaded runs crawl (every parallel op
+    waits for a descheduled thread), so wait until they leave the cores, or give up."""
+    end = time.monotonic() + max_wait
+    while time.monotonic() < end and others_busy() > busy:
+        time.sleep(4)
+
+
+def with_cpu_share(fn):
+    """fn() and the share of (wall time x threads) this process spent on a CPU."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return out, cpu / (wall * min(torch.get_num_threads(), os.cpu_count()))
+
+
+def time_ours(model, prompts, new_tokens, kv, compile, flags) -> dict:
+    g, share = with_cpu_share(lambda: gen.generate(model, prompts, new_tokens, kv=kv,
+                                                   compile=compile, token_flags=flags))
+    B = len(prompts)
+    return dict(prefill=B * len(prompts[0]) / g.prefill_s, decode=B * g.decode_steps / g.decode_s,
+                cpu=share, compile_s=g.compile_s, kv=g.kv_bytes, full_kv=g.full_kv_bytes)
+
+
+def time_hf(hf, prompts, new_tokens) -> dict:
+    ids = torch.tensor(prompts)
+    B, T = ids.shape
+
+    def run(n):
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, use_cache=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+        return time.perf_counter() - t0, out
+
+    t1, _ = run(1)
+    (tn, out), share = with_cpu_share(lambda: run(new_tokens))
+    kv = sum(t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    return dict(prefill=B * T / t1, decode=B * (new_tokens - 1) / (tn - t1), cpu=share,
+                compile_s=0.0, kv=kv, full_kv=kv)
+
+
+def bench(args) -> str:
+    """Run every measurement; return the markdown report."""
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from model import load_model
+    from policies import token_flags
+    from tokenizer import Tokenizer, TokenizerError
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.ckpt)
+    hf = LlamaForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32).eval()
+    V = model.args.vocab_size
+    try:
+        tok = Tokenizer(args.ckpt)
+        flags = token_flags(V, [i for i in tok.special_ids if i < V],
+                            [i for i in tok.punctuation_ids() if i < V])
+    except TokenizerError:  # a test checkpoint without a tokenizer: no special tokens
+        tok, flags = None, token_flags(V, [], [])
+    all_prompts = make_prompts(args, V, tok)
+
+    wait_until_idle(args.idle_wait)
+    bw = bandwidth_gbs(args.bw_gib)
+    a = model.args
+    w_bytes = weight_bytes(model)
+    kv_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.output.weight.element_size()
+    context = args.prompt_len + args.new_tokens / 2  # tokens attended, mean over the steps
+    roofline = lambda B: B * bw * 1e9 / (w_bytes + B * kv_token * context)
+
+    # Each batch size and cache gets its own static graph, compiled once.
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    configs = [("transformers", "", False)] + [
+        ("ours", kv, comp) for comp in args.compile for kv in ("full", "fastgen")]
+
+    def run(impl, kv, comp, prompts, new_tokens):
+        if impl == "transformers":
+            return time_hf(hf, prompts, new_tokens)
+        return time_ours(model, prompts, new_tokens, kv, comp, flags)
+
+    rows = []
+    bar = tqdm(total=len(args.batch) * len(configs) * args.runs, desc="bench", unit="run")
+    for B in args.batch:
+        prompts = all_prompts[:B]
+        for impl, kv, _ in configs:
+            run(impl, kv, False, [p[:8] for p in prompts], 2)  # warm-up
+        timings = {c: [] for c in configs}
+        for _ in range(args.runs):
+            for c in configs:
+                bar.set_postfix_str(f"batch {B}: {c[0]} {c[1]}" + (" compiled" if c[2] else ""))
+                wait_until_idle(args.idle_wait)
+                timings[c].append(run(*c, prompts, args.new_tokens))
+                bar.update()
+        for (impl, kv, comp), ts in timings.items():
+            m = {k: statistics.median(t[k] for t in ts) for k in ("prefill", "decode", "cpu")}
+            if impl == "transformers":  # the first config
+                hf_speed = m
+            kv_mib = f"{ts[-1]['kv'] / 2**20:.3g}"
+            if ts[-1]["kv"] != ts[-1]["full_kv"]:
+                kv_mib += f" ({ts[-1]['kv'] / ts[-1]['full_kv']:.0%})"
+            rows.append([f"{impl} {kv}".strip(), B, "yes" if comp else "no",
+                         f"{m['prefill']:.1f}", f"{m['decode']:.2f}",
+                         f"{m['prefill'] / hf_speed['prefill']:.2f}x",
+                         f"{m['decode'] / hf_speed['decode']:.2f}x",
+                         f"{m['decode'] / roofline(B):.1%}", kv_mib,
+                         f"{max(t['compile_s'] for t in ts):.1f}" if comp else "",
+                         f"{m['cpu']:.0%}"])
+    bar.close()
+
+    header = ["impl", "batch", "compile", "prefill tok/s", "decode tok/s", "prefill vs HF",
+              "decode vs HF", "% of roofline", "KV MiB", "compile s", "CPU share"]
+    prompt = f"slices of {args.prompt_file}" if args.prompt_file else f"random ids, seed {args.seed}"
+    lines = [
+        f"Machine: {machine_info(args.threads)}",
+        f"Checkpoint: `{args.ckpt}`, float32; prompt {args.prompt_len} tokens ({prompt}), "
+        f"{args.new_tokens} new tokens, greedy; median of {args.runs} run(s)",
+        f"Command: `python bench.py {' '.join(args.argv)}`",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---:|" * (len(header) - 1),
+        *("| " + " | ".join(map(str, r)) + " |" for r in rows),
+        "",
+        f"Memory bandwidth: {bw:.1f} GB/s (copy of a {args.bw_gib:g} GiB tensor, median of 5, "
+        "read + write counted: 2 x size per copy).",
+        f"Bytes per decode step and sequence: weights {w_bytes / 1e6:.1f} MB (shared by the "
+        f"batch) + KV {kv_token / 1e3:.1f} kB/token x {context:.0f} tokens (mean context) "
+        f"= {kv_token * context / 1e6:.3g} MB.",
+        "Roofline decode tok/s: " + ", ".join(f"batch {B}: {roofline(B):.1f}" for B in args.batch)
+        + " (FastGen rows are compared with the full cache's roofline).",
+        "CPU share: CPU time of this process / (wall time x threads), median of the runs; "
+        "well under 100% means other processes took the cores (compiled rows include "
+        "compiling, partly in worker processes).",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Prefill and decode tokens/s of our Llama (full and FastGen cache, eager "
+                    "and compiled) against HF transformers generate, with the memory-bandwidth "
+                    "roofline of decoding. Prints a markdown table.")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--prompt-file", help="prompts are slices of this text (repeated if short) "
+                   "instead of random token ids")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated (default 128)")
+    p.add_argument("--batch", type=int, nargs="+", action="extend",
+                   help="batch sizes; list or repeat them (default 1 8)")
+    p.add_argument("--runs", type=int, default=3, help="runs per row, the median is reported "
+                   "(default 3)")
+    p.add_argument("--compile", dest="compile_mode", default="both",
+                   choices=["both", "only", "none"],
+                   help="our rows eager and compiled (both, default), compiled only, or eager only")
+    p.add_argument("--no-compile", dest="compile_mode", action="store_const", const="none",
+                   help="same as --compile none")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help=f"torch threads for both implementations (default {torch.get_num_threads()}, "
+                        "all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--bw-gib", type=float, default=1.0,
+                   help="GiB copied to measure the bandwidth (default 1)")
+    p.add_argument("--idle-wait", type=float, default=300, help="before each run, wait up "
+                   "to this many seconds for other processes to leave the CPUs (default 300)")
+    p.add_argument("--quick", action="store_true", help="smoke test: prompt 32, 8 new tokens, "
+                   "batch 1, 1 run, no compile, 64 MiB bandwidth copy")
+    p.add_argument("--out", help="also write the markdown report to this file")
+    args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.batch, args.runs = 32, 8, [1], 1
+        args.compile_mode, args.bw_gib, args.idle_wait = "none", 1 / 16, 0
+    args.batch = sorted(set(args.batch or [1, 8]))
+    args.compile = {"both": [False, True], "only": [True], "none": [False]}[args.compile_mode]
+    if args.new_tokens < 2 or args.prompt_len < 8 or args.runs < 1 or min(args.batch) < 1:
+        p.error("need --new-tokens >= 2, --prompt-len >= 8, --runs >= 1 and --batch >= 1")
+    if args.ckpt is None:
+        from convert_gguf import default_checkpoint
+        args.ckpt = default_checkpoint()
+    return args
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    report = bench(args)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report + "\n")

@@ -1,0 +1,486 @@
+"""Quality against KV memory: FastGen and fixed policies at equal KV budget.
+
+    python evaluate.py                 # SmolLM2-135M; 30 windows, 40 passkeys; ~15 min on 2 cores
+    python evaluate.py --quick --ckpt TINY_CHECKPOINT      # a smoke test, seconds
+    python evaluate.py --peer kvpress  # also NVIDIA kvpress, run in its own venv:
+        python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5
+
+Two tasks, each run through every configuration (the full cache; FastGen at
+several recovery thresholds T; `local`, `sink` (StreamingLLM) and `h2o` at
+several budgets):
+
+1. Real text (`textdata`): windows of `--prompt-len` tokens followed by the
+   next `--new-tokens` tokens of the same text, teacher-forced through the
+   cache. Against the full cache: mean KL(full || compressed) per token, top-1
+   agreement, and the perplexity of the true continuation.
+2. Passkey retrieval: a 5-digit key hidden at a random depth in ~1k tokens of
+   the usual filler, then greedy decoding; exact match of the digits.
+
+The x-axis is the KV bytes the cache really allocated (`nbytes()` of the
+caches of the run itself, index tensors included) as a share of the full
+cache's bytes for the same work. Writes OUT.md (tables), OUT.json, OUT.png.
+
+Every configuration compresses the same prompts after an exact prefill, so the
+prefill runs once: each layer's q, k, v are recorded and every configuration's
+cache is built from them (the same calls `generate.score` makes, minus the
+model). Profiling (`attention_sums`) is also shared; see `shared_profiling`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import cache as fastgen_cache
+import generate
+from model import causal_attention
+from profiling import attention_sums, window_sizes
+
+BASELINES = ("local", "sink", "h2o")
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about the important information there.")
+
+
+@dataclass
+class Config:
+    name: str
+    kv: str
+    options: dict
+
+
+def configs(thresholds, budgets) -> list[Config]:
+    out = [Config("full", "full", {})]
+    out += [Config(f"fastgen T={t:g}", "fastgen", {"recovery": t}) for t in thresholds]
+    out += [Config(f"{kind} b={b:g}", kind, {"kv_budget": b}) for kind in BASELINES for b in budgets]
+    return out
+
+
+# --- Prefill once, replay every configuration --------------------------------
+
+class Recorder(nn.Module):
+    """A stand-in cache for one exact prefill: keeps the layer's q, k, v (and
+    the profiling column sums) so that each configuration can build its own
+    cache from them without running the model again."""
+
+    def __init__(self, lens, r_local):
+        super().__init__()
+        self.lens, self.windows = lens, window_sizes(r_local, lens)
+
+    def forward(self, q, k, v, input_pos, tokens):
+        self.qkv = (q, k, v)
+        self.sums = attention_sums(q, k, self.lens, self.windows)
+        return causal_attention(q, k, v)
+
+
+@torch.no_grad()
+def record(model, prompts, r_local):
+    """Exact prefill of a batch: (recorders, tokens, input_pos, lens, last-token logits)."""
+    B, lens = len(prompts), torch.tensor([len(p) for p in prompts])
+    tokens = torch.zeros(B, int(lens.max()), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+    input_pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    recorders = [Recorder(lens, r_local) for _ in model.layers]
+    model.setup_caches(recorders)
+    # model.forward without the output projection of every prompt position
+    # (B x T x V floats): only the last token's logits are needed.
+    x = model.tok_embeddings(tokens)
+    cos, sin = model.rope[:, input_pos].to(x.dtype).unsqueeze(2)
+    for layer in model.layers:
+        x = layer(x, cos, sin, input_pos, tokens)
+    last = model.output(model.norm(x[torch.arange(B), lens - 1])).float()  # (B, V)
+    model.setup_caches(None)
+    return recorders, tokens, input_pos, lens, last
+
+
+@contextmanager
+def shared_profiling(recorders):
+    """Hand every cache built from `recorders` the column sums computed once at
+    record time. The sums depend only on the prompt, except the Local band,
+    which depends on the window: for another window the band is NaN. Only a
+    shortlist's recovery reads the band, and FastGen runs with the window
+    recorded (checked in `replay`); a single fixed policy keeps its recovery
+    as a report that nothing reads, so its cache is exact either way."""
+    by_query = {id(r.qkv[0]): r for r in recorders}
+
+    def sums(q, k, lens, windows, *args, **kwargs):
+        r = by_query.get(id(q))
+        if r is None:
+            return attention_sums(q, k, lens, windows, *args, **kwargs)
+        colsum, bandsum = r.sums
+        return colsum, bandsum if torch.equal(windows, r.windows) else torch.full_like(bandsum, math.nan)
+
+    with mock.patch.object(fastgen_cache, "attention_sums", sums):
+        yield
+
+
+@torch.no_grad()
+def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=0.3,
+           r_frequent=0.3):
+    """Build `config`'s caches from a recorded prefill and decode n tokens:
+    teacher-forced on `follow` (B, n) or greedy. Returns logits (B, n, V) and
+    the bytes the caches allocated and the share of seen tokens they hold."""
+    recorders, tokens, input_pos, lens, last = rec
+    caches = generate.make_caches(model, config.kv, lens.tolist(), n, flags, r_local=r_local,
+                                  r_frequent=r_frequent, **config.options)
+    with shared_profiling(recorders):
+        for c, r in zip(caches, recorders):
+            c(*r.qkv, input_pos, tokens)
+    if config.kv == "fastgen" and not all(torch.isfinite(c.recovery).all() for c in caches):
+        raise RuntimeError("FastGen profiled with a Local window other than the recorded one")
+    model.setup_caches(caches)
+    out, pos = [last], lens[:, None]
+    for i in range(n - 1):
+        token = follow[:, i:i + 1] if follow is not None else out[-1].argmax(-1, keepdim=True)
+        out.append(model(token, pos + i)[:, 0])
+    nbytes = sum(c.nbytes() for c in caches)
+    # Tokens held at the end against tokens seen, beside the bytes allocated:
+    # the gap is the room reserved up front for tokens a policy might keep.
+    seen = model.args.n_layers * model.args.n_kv_heads * int((lens + n - 1).sum())
+    kept = seen if config.kv == "full" else sum(c.kept() for c in caches)
+    model.setup_caches(None)
+    return torch.stack(out, dim=1), nbytes, kept / seen
+
+
+# --- The two tasks ------------------------------------------------------------
+
+def batches(items, most):
+    """Consecutive batches of at most `most` items, as even as possible."""
+    size = math.ceil(len(items) / math.ceil(len(items) / most))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent) -> dict:
+    """Per config: KL, top-1 agreement, perplexity and bytes share over the windows."""
+    acc = {c.name: dict(kl=0.0, top1=0.0, nll=0.0, bytes=0, full_bytes=0, kept=0.0) for c in cfgs}
+    for chunk in tqdm(batches(windows, batch), desc="text batches", leave=False):
+        follow = torch.tensor([w[-n_new:] for w in chunk])  # (B, N)
+        rec = record(model, [w[:-n_new] for w in chunk], r_local)
+        ref = None
+        for c in tqdm(cfgs, desc="configurations", leave=False):
+            logits, nbytes, kept = replay(model, rec, c, n_new, follow, flags, r_local, r_frequent)
+            logp = logits.log_softmax(-1)
+            if ref is None:  # the full cache comes first: the reference
+                ref, full_bytes = logp, nbytes
+            a = acc[c.name]
+            a["kl"] += F.kl_div(logp, ref, log_target=True, reduction="none").sum(-1).sum().item()
+            a["top1"] += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+            a["nll"] -= logp.gather(-1, follow[..., None]).sum().item()
+            a["bytes"] += nbytes
+            a["full_bytes"] += full_bytes
+            a["kept"] += kept * len(chunk)
+        del rec
+    count = len(windows) * n_new
+    return {name: dict(kl=a["kl"] / count, top1=a["top1"] / count,
+                       ppl=math.exp(a["nll"] / count), share=a["bytes"] / a["full_bytes"],
+                       kept=a["kept"] / len(windows)) for name, a in acc.items()}
+
+
+def passkey_cases(tok, n, n_filler, seed, chat=False):
+    """n (token ids, key) pairs: a 5-digit key after a random number of the
+    n_filler filler blocks. With a tokenizer that splits digits (SmolLM2) all
+    prompts have the same length."""
+    rng, cases = random.Random(seed), []
+    for _ in range(n):
+        key, depth = str(rng.randint(10000, 99999)), rng.randint(0, n_filler)
+        needle = f" The pass key is {key}. Remember it. {key} is the pass key."
+        body = INTRO + FILLER * depth + needle + FILLER * (n_filler - depth)
+        text = (tok.apply_chat(body + "\nWhat is the pass key?") + "The pass key is" if chat
+                else body + "\nWhat is the pass key? The pass key is")
+        cases.append((tok.encode(text), key))
+    return cases
+
+
+def answer_ok(tok, ids, key) -> bool:
+    digits = re.search(r"\d+", tok.decode(ids).replace(" ", ""))
+    return digits is not None and digits.group() == key
+
+
+def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent) -> dict:
+    """Per config: accuracy, bytes share and each case's answer."""
+    res = {c.name: dict(correct=[], answers=[], bytes=0, full_bytes=0) for c in cfgs}
+    for chunk in tqdm(batches(cases, batch), desc="passkey batches", leave=False):
+        rec = record(model, [ids for ids, _ in chunk], r_local)
+        for c in tqdm(cfgs, desc="configurations", leave=False):
+            logits, nbytes, _ = replay(model, rec, c, n_new, None, flags, r_local, r_frequent)
+            r = res[c.name]
+            full_bytes = nbytes if c.kv == "full" else full_bytes
+            for (_, key), ids in zip(chunk, logits.argmax(-1).tolist()):
+                r["answers"].append(tok.decode(ids))
+                r["correct"].append(answer_ok(tok, ids, key))
+            r["bytes"] += nbytes
+            r["full_bytes"] += full_bytes
+        del rec
+    return {name: dict(acc=sum(r["correct"]) / len(r["correct"]), share=r["bytes"] / r["full_bytes"],
+                       correct=r["correct"], answers=r["answers"]) for name, r in res.items()}
+
+
+# --- The peer: NVIDIA kvpress, in its own environment -------------------------
+
+PRESSES = ("StreamingLLMPress", "SnapKVPress", "TOVAPress", "ExpectedAttentionPress")
+
+
+def run_peer(python, ckpt, windows, n_new, cases, passkey_tokens, budgets, batch) -> dict:
+    """Run peer_kvpress.py under `python` (a venv with kvpress) on the same
+    windows and passkey cases; its rows, or {"error": why it could not run}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job, result = Path(tmp, "job.json"), Path(tmp, "result.json")
+        job.write_text(json.dumps(dict(
+            ckpt=str(ckpt), windows=windows, new_tokens=n_new, passkey_tokens=passkey_tokens,
+            cases=[[ids, key] for ids, key in cases], presses=PRESSES, batch=batch,
+            ratios=[round(1 - b, 6) for b in budgets])))
+        script = Path(__file__).with_name("peer_kvpress.py")
+        try:
+            done = subprocess.run([python, str(script), str(job), str(result)],
+                                  capture_output=True, text=True)
+        except OSError as e:
+            return {"error": f"cannot start {python}: {e}"}
+        if done.returncode != 0:
+            return {"error": f"{python} {script.name} exited {done.returncode}:\n"
+                             + done.stderr[-3000:]}
+        return json.loads(result.read_text())
+
+
+# --- Report ---------------------------------------------------------------------
+
+def interpolate(points, x):
+    """The value a curve of (share, value) points takes at share x; None outside it."""
+    pts = sorted(p for p in points if p[1] is not None)
+    if not pts or not pts[0][0] <= x <= pts[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[0][1]
+
+
+# (key, title, x-axis key, which of two values is better)
+METRICS = [("kl", "KL(full || compressed) per token, lower is better", "share", min),
+           ("top1", "top-1 agreement with the full cache, higher is better", "share", max),
+           ("ppl", "perplexity of the true continuation, lower is better", "share", min),
+           ("pk_acc", "passkey accuracy, higher is better", "pk_share", max)]
+
+
+def family(name):
+    return name.split(" ")[0]
+
+
+def fmt(v, key):
+    if v is None:
+        return "—"
+    return f"{v:.4f}" if key == "kl" else f"{v:.2f}" if key == "ppl" else f"{v:.3f}"
+
+
+def report(rows, meta, peer_error) -> str:
+    lines = [f"# Quality against KV memory at equal budget\n",
+             f"Measured on {meta['machine']}, torch {meta['torch']}, {meta['date']}; "
+             f"{meta['runtime_s'] / 60:.1f} min"
+             + (f" (+ {meta['peer_runtime_s'] / 60:.1f} min for the peer)" if meta["peer"] else "")
+             + ".\n", f"    {meta['command']}\n",
+             f"Model: `{meta['model']}`. Text: {meta['windows']} windows of {meta['prompt_len']} "
+             f"prompt + {meta['new_tokens']} continuation tokens of real text (`textdata`, seed "
+             f"{meta['seed']}), teacher-forced. Passkey: {meta['passkeys']} cases of "
+             f"{meta['passkey_len']} tokens ({meta['passkey_format']} prompt), greedy "
+             f"{meta['passkey_tokens']} tokens, exact match of the 5 digits. KV share = bytes the "
+             "caches really allocated (K, V and index tensors) / bytes of the full cache, measured "
+             "on each task's own run; tokens held = (token, layer, KV head) entries in the cache "
+             "at the end / entries of the full cache: the gap to the KV share is room reserved up "
+             "front for what a policy might keep of the new tokens.\n",
+             "| configuration | text KV share | tokens held | KL | top-1 | perplexity "
+             "| passkey KV share | passkey |", "|---" * 8 + "|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['share']:.3f} | {fmt(r.get('kept'), 'x')} | {fmt(r['kl'], 'kl')} "
+                     f"| {fmt(r['top1'], 'top1')} "
+                     f"| {fmt(r['ppl'], 'ppl')} | {fmt(r.get('pk_share'), 'x')} "
+                     f"| {fmt(r.get('pk_acc'), 'pk_acc')} |")
+    others = [f for f in dict.fromkeys(map(family, rows)) if f not in ("full", "fastgen")]
+    fastgen = {n: r for n, r in rows.items() if family(n) == "fastgen"}
+    lines.append("\n## Equal memory: each fixed policy interpolated at FastGen's KV share\n")
+    lines.append("A dash: that policy's points do not reach this share.\n")
+    wins = {f: {key: [0, 0] for key, *_ in METRICS} for f in others}
+    for key, title, share, better in METRICS:
+        lines += [f"**{title}**\n", "| FastGen | KV share | FastGen | " + " | ".join(others) + " |",
+                  "|---" * (3 + len(others)) + "|"]
+        for name, r in fastgen.items():
+            if r.get(key) is None:
+                continue
+            cells = []
+            for f in others:
+                v = interpolate([(o[share], o.get(key)) for n, o in rows.items()
+                                 if family(n) == f and o.get(share) is not None], r[share])
+                if v is not None:
+                    wins[f][key][0] += better(v, r[key]) == r[key]
+                    wins[f][key][1] += 1
+                cells.append(fmt(v, key))
+            lines.append(f"| {name} | {r[share]:.3f} | {fmt(r[key], key)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("**Headline**: at how many FastGen points FastGen is at least as good as the "
+                 "policy at the same KV share (of the points the policy's curve reaches):\n")
+    lines += [f"- {f}: " + ", ".join(f"{key} {w}/{n}" for key, (w, n) in ws.items())
+              for f, ws in wins.items()]
+    if meta.get("peer_info"):
+        i = meta["peer_info"]
+        lines += [f"\nPeer: kvpress {i['kvpress']} (transformers {i['transformers']}, torch "
+                  f"{i['torch']}, its own venv) on the same prompts; `kvpress:X b=B` is press X at "
+                  "compression_ratio 1 - B, prompt compressed once after prefill. `full (kvpress)` "
+                  "is its uncompressed cache, its reference for KL and top-1."]
+        lines += [f"- {name} did not run: {why}" for name, why in i["failed"].items()]
+        lines += [f"- {name} is not in this kvpress" for name in i["presses_missing"]]
+    if peer_error:
+        lines += ["\n## kvpress (peer)\n", "It could not run here:\n", "```", peer_error.strip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    families = list(dict.fromkeys(map(family, rows)))
+    colors = dict(zip(families, plt.get_cmap("tab10").colors * 2))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    for ax, (key, title, share, _) in zip(axes.flat, METRICS):
+        for f in families:
+            pts = sorted((r[share], r[key]) for n, r in rows.items()
+                         if family(n) == f and r.get(key) is not None and r.get(share) is not None)
+            if pts and not (key == "kl" and f == "full"):  # KL 0 has no place on a log axis
+                ax.plot(*zip(*pts), color=colors[f], label=f, marker="*" if f == "full" else "o",
+                        ms=12 if f == "full" else 4, lw=2.5 if f == "fastgen" else 1,
+                        ls="--" if f.startswith("kvpress") else "-")
+        ax.set(title=title, xlabel="KV bytes allocated / full cache")
+        ax.set_yscale("log" if key in ("kl", "ppl") else "linear")
+        ax.grid(alpha=0.3)
+    fig.legend(*axes[0, 1].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- Main -----------------------------------------------------------------------
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    if Path("/proc/cpuinfo").is_file():
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")), cpu)
+    return f"{cpu}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads)"
+
+
+def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool = False,
+         windows: int = 30, prompt_len: int = 768, new_tokens: int = 64, passkeys: int = 40,
+         filler: int = 40, passkey_tokens: int = 8, passkey_chat: bool = False,
+         thresholds=(0.5, 0.7, 0.8, 0.9, 0.98), budgets=(0.2, 0.35, 0.5, 0.65, 0.8),
+         batch: int = 30, r_local: float = 0.3, r_frequent: float = 0.3, seed: int = 0,
+         peer: str | None = None, peer_python: str = "/tmp/kvp/bin/python",
+         command: str | None = None) -> dict:
+    """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
+    and return the rows (configuration name -> metrics)."""
+    import time
+
+    from model import load_model
+    from policies import token_flags
+    from textdata import prompts
+    from tokenizer import Tokenizer
+    if quick:
+        windows, prompt_len, new_tokens, passkeys, filler, passkey_tokens = 4, 40, 8, 4, 0, 4
+        thresholds, budgets, batch = (0.9, 1.0), (0.3, 0.6), 4
+    if ckpt is None:
+        from convert_gguf import default_checkpoint
+        ckpt = default_checkpoint()
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model, tok = load_model(ckpt), Tokenizer(ckpt)
+    V = model.args.vocab_size
+    flags = token_flags(V, [i for i in tok.special_ids if i < V],
+                        [i for i in tok.punctuation_ids() if i < V])
+    texts = prompts(tok, windows, prompt_len + new_tokens, prompt_len + new_tokens, seed)
+    cases = passkey_cases(tok, passkeys, filler, seed, passkey_chat)
+    longest = max(len(c[0]) for c in cases) + passkey_tokens
+    if max(prompt_len + new_tokens, longest) > model.args.max_seq_len:
+        raise ValueError(f"{max(prompt_len + new_tokens, longest)} tokens exceed the model's "
+                         f"context of {model.args.max_seq_len}")
+    cfgs = configs(thresholds, budgets)
+    run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent)
+    rows = text_quality(model, texts, new_tokens, cfgs, **run)
+    for name, r in passkey(model, tok, cases, passkey_tokens, cfgs, **run).items():
+        rows[name].update(pk_acc=r["acc"], pk_share=r["share"], pk_answers=r["answers"])
+    ours_s, peer_error = time.perf_counter() - t0, None
+    if peer == "kvpress":
+        got = run_peer(peer_python, ckpt, texts, new_tokens, cases, passkey_tokens, budgets, batch)
+        peer_error = got.get("error")
+        for name, r in got.get("rows", {}).items():
+            ids = r.pop("pk_tokens")
+            r.update(pk_acc=sum(answer_ok(tok, t, key) for t, (_, key) in zip(ids, cases)) / len(cases),
+                     pk_answers=[tok.decode(t) for t in ids])
+            rows[name] = r
+    meta = dict(machine=machine(), torch=torch.__version__, date=datetime.date.today().isoformat(),
+                command=command or "python evaluate.py" + (" --quick" if quick else ""),
+                model=Path(ckpt).name, windows=windows, prompt_len=prompt_len,
+                new_tokens=new_tokens, seed=seed, passkeys=passkeys,
+                passkey_len=max(len(c[0]) for c in cases), passkey_tokens=passkey_tokens,
+                passkey_format="ChatML" if passkey_chat else "plain", r_local=r_local,
+                r_frequent=r_frequent, runtime_s=ours_s, peer_runtime_s=time.perf_counter() - t0 - ours_s,
+                peer=peer, peer_info=got.get("info") if peer else None)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(report(rows, meta, peer_error))
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    plot(rows, out.with_suffix(".png"))
+    return rows
+
+
+def parse_args(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(description="Quality (KL, top-1, perplexity, passkey) against "
+                                "the KV bytes really allocated: FastGen vs fixed policies.")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", default=None, help="output path without suffix; writes .md, .json, "
+                   ".png (default results/quality, or results/quality_quick with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny settings: a smoke test in seconds")
+    p.add_argument("--windows", type=int, default=30, help="text windows (default 30)")
+    p.add_argument("--prompt-len", type=int, default=768, help="prompt tokens per window (768)")
+    p.add_argument("--new-tokens", type=int, default=64, help="continuation tokens (64)")
+    p.add_argument("--passkeys", type=int, default=40, help="passkey cases (default 40)")
+    p.add_argument("--filler", type=int, default=40, help="filler blocks per passkey prompt "
+                   "(40: about 1,000 tokens)")
+    p.add_argument("--passkey-tokens", type=int, default=8, help="greedy tokens per answer (8)")
+    p.add_argument("--passkey-chat", action="store_true", help="ChatML-wrap the passkey "
+                   "question (default: a plain prompt, which this small model answers better)")
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.98],
+                   help="FastGen recovery thresholds T")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.35, 0.5, 0.65, 0.8],
+                   help="fixed policies' budgets: share of the prompt kept per head")
+    p.add_argument("--batch", type=int, default=30, help="most windows / cases per batch (30)")
+    p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
+    p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer", choices=["kvpress"], help="also run NVIDIA kvpress presses at "
+                   "compression ratio 1 - budget on the same windows and cases")
+    p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
+                   help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    kwargs = {k: v for k, v in vars(a).items() if v is not None}
+    kwargs["out"] = a.out or ("results/quality_quick" if a.quick else "results/quality")
+    rows = main(command="python " + " ".join(sys.argv), **kwargs)
+    for name, r in rows.items():
+        print(f"{name:18s} share {r['share']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}  "
+              f"ppl {r['ppl']:.2f}  passkey {r.get('pk_acc', float('nan')):.2f}")

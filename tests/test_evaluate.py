@@ -1,0 +1,65 @@
+import json
+import math
+
+import pytest
+import torch
+
+import evaluate
+import generate
+from model import load_model
+from policies import token_flags
+from tokenizer import Tokenizer
+
+
+def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
+    rows = evaluate.main(ckpt=str(tiny_ckpt), out=str(tmp_path / "quality"), quick=True)
+    for suffix in (".md", ".json", ".png"):
+        assert (tmp_path / f"quality{suffix}").stat().st_size > 0
+    saved = json.loads((tmp_path / "quality.json").read_text())["rows"]
+    assert saved.keys() == rows.keys()
+    full = rows["full"]
+    # The full cache against itself: no divergence, full agreement.
+    assert full["kl"] == 0 and full["top1"] == 1 and full["share"] == 1
+    # FastGen at T = 1 keeps every token (Full() everywhere): the same predictions.
+    assert rows["fastgen T=1"]["kl"] < 1e-6 and rows["fastgen T=1"]["top1"] == 1
+    for name, r in rows.items():
+        assert r["kl"] >= 0, name
+        assert 0 <= r["top1"] <= 1 and 0 <= r["pk_acc"] <= 1, name
+        assert 0 < r["share"] <= 1.1 and 0 < r["pk_share"] <= 1.1, name
+        assert math.isfinite(r["ppl"]) and r["ppl"] > 1, name
+    assert rows["local b=0.3"]["share"] < rows["local b=0.6"]["share"] < 1
+    md = (tmp_path / "quality.md").read_text()
+    assert "| fastgen T=0.9 |" in md and "Headline" in md
+
+
+@pytest.mark.parametrize("kv, options", [("fastgen", {"recovery": 0.9}), ("h2o", {"kv_budget": 0.4}),
+                                         ("sink", {"kv_budget": 0.3}), ("full", {})])
+def test_replay_equals_score(tiny_ckpt, kv, options):
+    """Building the caches from a recorded prefill, with profiling shared,
+    decodes exactly what generate.score decodes."""
+    model, tok = load_model(tiny_ckpt), Tokenizer(tiny_ckpt)
+    flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 300, (n,)).tolist() for n in (40, 33, 40)]
+    follow = torch.randint(3, 300, (3, 6))
+    want = generate.score(model, prompts, follow.tolist(), kv=kv, token_flags=flags, **options)
+    rec = evaluate.record(model, prompts, r_local=0.3)
+    got, nbytes, kept = evaluate.replay(model, rec, evaluate.Config(kv, kv, options), 6, follow, flags)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert nbytes > 0 and 0 < kept <= 1
+
+
+def test_interpolate():
+    pts = [(0.2, 1.0), (0.6, 3.0), (0.4, 2.0)]
+    assert evaluate.interpolate(pts, 0.5) == pytest.approx(2.5)
+    assert evaluate.interpolate(pts, 0.2) == 1.0
+    assert evaluate.interpolate(pts, 0.7) is None and evaluate.interpolate(pts, 0.1) is None
+
+
+def test_passkey_prompts_hide_the_key(tiny_ckpt):
+    tok = Tokenizer(tiny_ckpt)
+    cases = evaluate.passkey_cases(tok, 5, 1, seed=1)
+    assert all(key in tok.decode(ids) and len(key) == 5 for ids, key in cases)
+    key = cases[0][1]
+    assert evaluate.answer_ok(tok, tok.encode(f" {key}. Remember"), key)
+    assert not evaluate.answer_ok(tok, tok.encode(" 1234"), key)
