@@ -1,7 +1,7 @@
 """Attention structure: recovery vs KV compression per threshold T, the policy
 mix per layer, and whether the profiled policies still hold while decoding.
 
-    python attention_study.py                 # default model, ~10 min on 2 idle CPU cores
+    python attention_study.py --threads 1     # default model: 628 s on 2 busy CPU cores
     python attention_study.py --quick --ckpt CKPT --out /tmp/study   # seconds
 
 1. Sweep. Each prompt is prefilled once, through FastGen caches told to keep
@@ -16,15 +16,16 @@ mix per layer, and whether the profiled policies still hold while decoding.
    capacity is reserved on either side.
 2. The policy mix per layer (the paper's figure) at T=0.95, and for every T.
 3. Decode check, on `--n-decode` prompts: FastGen (T=0.95) generates greedily
-   while a dense cache is fed the same tokens (teacher-forced). At the chosen
-   steps a KV head's recovery is the share of the dense model's attention for
-   the new token (averaged over the head's query heads) that falls on the
-   tokens the head's compressed cache holds at that step (its cache plus the
-   new token, before eviction).
+   (EOS does not stop it) while a dense cache is fed the same tokens
+   (teacher-forced). At the chosen steps a KV head's recovery is the share of
+   the dense model's attention for the new token (averaged over the head's
+   query heads) that falls on the tokens the head's compressed cache holds at
+   that step (its cache plus the new token, before eviction).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -172,7 +173,8 @@ def plot_mix(path, mixes, names, title):
     import matplotlib.pyplot as plt
     cols = min(len(mixes), 3)
     rows = -(-len(mixes) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols + 2.5, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols + 2.5, 3.4 * rows), squeeze=False,
+                             layout="constrained")
     colors = plt.get_cmap("viridis")(torch.linspace(0, 1, len(names)).tolist())
     for ax, (t, mix) in zip(axes.flat, mixes.items()):
         bottom = torch.zeros(mix.shape[0])
@@ -184,7 +186,7 @@ def plot_mix(path, mixes, names, title):
     for ax in axes.flat[len(mixes):]:
         ax.axis("off")
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
-    fig.suptitle(title, fontsize=10, y=1.03)
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
@@ -195,8 +197,9 @@ def machine() -> str:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    import os
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{cpu}, {os.cpu_count()} cores (load average {load} at the end), "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
 
 
 def table(header, rows) -> str:
