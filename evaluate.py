@@ -4,6 +4,8 @@
     python evaluate.py --quick --ckpt TINY_CHECKPOINT      # a smoke test, seconds
     python evaluate.py --peer kvpress  # also NVIDIA kvpress, run in its own venv:
         python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5
+    python evaluate.py --passkey-chat --windows 2 --thresholds --budgets \
+        --out results/passkey_chat     # the full cache on the ChatML form of the passkeys
 
 Two tasks, each run through every configuration (the full cache; FastGen at
 several recovery thresholds T; `local`, `sink` (StreamingLLM) and `h2o` at
@@ -23,7 +25,7 @@ cache's bytes for the same work. Writes OUT.md (tables), OUT.json, OUT.png.
 Every configuration compresses the same prompts after an exact prefill, so the
 prefill runs once: each layer's q, k, v are recorded and every configuration's
 cache is built from them (the same calls `generate.score` makes, minus the
-model). Profiling (`attention_sums`) is also shared; see `shared_profiling`.
+model). Profiling is shared too; see `from_record`.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from tqdm import tqdm
 
 import cache as fastgen_cache
 import generate
+import model as model_module
 from model import causal_attention
 from profiling import attention_sums, window_sizes
 
@@ -110,23 +113,28 @@ def record(model, prompts, r_local):
 
 
 @contextmanager
-def shared_profiling(recorders):
-    """Hand every cache built from `recorders` the column sums computed once at
-    record time. The sums depend only on the prompt, except the Local band,
-    which depends on the window: for another window the band is NaN. Only a
-    shortlist's recovery reads the band, and FastGen runs with the window
-    recorded (checked in `replay`); a single fixed policy keeps its recovery
-    as a report that nothing reads, so its cache is exact either way."""
-    by_query = {id(r.qkv[0]): r for r in recorders}
+def from_record(recorders):
+    """While caches are built by calling them on recorded q, k, v (as the
+    model's prefill calls them), take from the record what the prefill already
+    computed instead of computing it again for every configuration: the
+    attention output (which the build discards) and profiling's column sums,
+    which depend only on the prompt. Except the Local band, which depends on
+    the window: for another window it is NaN. Only a shortlist's recovery
+    reads the band, and FastGen runs with the window recorded (checked in
+    `replay`); a single fixed policy's recovery is a report nothing reads, so
+    its cache is exact either way (tests/test_evaluate.py compares the logits
+    with `generate.score`)."""
+    by_key = {id(r.qkv[1]): r for r in recorders}
 
     def sums(q, k, lens, windows, *args, **kwargs):
-        r = by_query.get(id(q))
-        if r is None:
-            return attention_sums(q, k, lens, windows, *args, **kwargs)
-        colsum, bandsum = r.sums
-        return colsum, bandsum if torch.equal(windows, r.windows) else torch.full_like(bandsum, math.nan)
+        colsum, bandsum = by_key[id(k)].sums
+        same = torch.equal(windows, by_key[id(k)].windows)
+        return colsum, bandsum if same else torch.full_like(bandsum, math.nan)
 
-    with mock.patch.object(fastgen_cache, "attention_sums", sums):
+    skip = lambda q, k, v: None  # noqa: E731
+    with mock.patch.object(fastgen_cache, "attention_sums", sums), \
+            mock.patch.object(fastgen_cache, "causal_attention", skip), \
+            mock.patch.object(model_module, "causal_attention", skip):
         yield
 
 
@@ -139,7 +147,7 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=
     recorders, tokens, input_pos, lens, last = rec
     caches = generate.make_caches(model, config.kv, lens.tolist(), n, flags, r_local=r_local,
                                   r_frequent=r_frequent, **config.options)
-    with shared_profiling(recorders):
+    with from_record(recorders):
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
     if config.kv == "fastgen" and not all(torch.isfinite(c.recovery).all() for c in caches):
@@ -236,14 +244,14 @@ def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent) -
 PRESSES = ("StreamingLLMPress", "SnapKVPress", "TOVAPress", "ExpectedAttentionPress")
 
 
-def run_peer(python, ckpt, windows, n_new, cases, passkey_tokens, budgets, batch) -> dict:
+def run_peer(python, ckpt, windows, n_new, cases, passkey_tokens, budgets, batch, threads) -> dict:
     """Run peer_kvpress.py under `python` (a venv with kvpress) on the same
     windows and passkey cases; its rows, or {"error": why it could not run}."""
     with tempfile.TemporaryDirectory() as tmp:
         job, result = Path(tmp, "job.json"), Path(tmp, "result.json")
         job.write_text(json.dumps(dict(
             ckpt=str(ckpt), windows=windows, new_tokens=n_new, passkey_tokens=passkey_tokens,
-            cases=[[ids, key] for ids, key in cases], presses=PRESSES, batch=batch,
+            cases=[[ids, key] for ids, key in cases], presses=PRESSES, batch=batch, threads=threads,
             ratios=[round(1 - b, 6) for b in budgets])))
         script = Path(__file__).with_name("peer_kvpress.py")
         try:
@@ -387,7 +395,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
          thresholds=(0.5, 0.7, 0.8, 0.9, 0.98), budgets=(0.2, 0.35, 0.5, 0.65, 0.8),
          batch: int = 30, r_local: float = 0.3, r_frequent: float = 0.3, seed: int = 0,
          peer: str | None = None, peer_python: str = "/tmp/kvp/bin/python",
-         command: str | None = None) -> dict:
+         threads: int | None = None, command: str | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics)."""
     import time
@@ -402,6 +410,8 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
     if ckpt is None:
         from convert_gguf import default_checkpoint
         ckpt = default_checkpoint()
+    if threads:
+        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model, tok = load_model(ckpt), Tokenizer(ckpt)
@@ -421,7 +431,8 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
         rows[name].update(pk_acc=r["acc"], pk_share=r["share"], pk_answers=r["answers"])
     ours_s, peer_error = time.perf_counter() - t0, None
     if peer == "kvpress":
-        got = run_peer(peer_python, ckpt, texts, new_tokens, cases, passkey_tokens, budgets, batch)
+        got = run_peer(peer_python, ckpt, texts, new_tokens, cases, passkey_tokens, budgets, batch,
+                       torch.get_num_threads())
         peer_error = got.get("error")
         for name, r in got.get("rows", {}).items():
             ids = r.pop("pk_tokens")
@@ -461,16 +472,20 @@ def parse_args(argv=None):
     p.add_argument("--passkey-tokens", type=int, default=8, help="greedy tokens per answer (8)")
     p.add_argument("--passkey-chat", action="store_true", help="ChatML-wrap the passkey "
                    "question (default: a plain prompt, which this small model answers better)")
-    p.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.98],
-                   help="FastGen recovery thresholds T")
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.35, 0.5, 0.65, 0.8],
-                   help="fixed policies' budgets: share of the prompt kept per head")
+    p.add_argument("--thresholds", type=float, nargs="*", default=[0.5, 0.7, 0.8, 0.9, 0.98],
+                   help="FastGen recovery thresholds T (none: no FastGen rows)")
+    p.add_argument("--budgets", type=float, nargs="*", default=[0.2, 0.35, 0.5, 0.65, 0.8],
+                   help="fixed policies' budgets: share of the prompt kept per head (none: "
+                        "no fixed-policy rows)")
     p.add_argument("--batch", type=int, default=30, help="most windows / cases per batch (30)")
     p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
     p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", choices=["kvpress"], help="also run NVIDIA kvpress presses at "
                    "compression ratio 1 - budget on the same windows and cases")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice). On a "
+                   "machine shared with other jobs, 1 avoids threads waiting on each other: a "
+                   "decode step is thousands of small ops")
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
     return p.parse_args(argv)

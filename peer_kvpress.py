@@ -78,6 +78,7 @@ def main(job_path, result_path):
     from transformers import AutoModelForCausalLM
     transformers.utils.logging.disable_progress_bar()
     job = json.loads(open(job_path).read())
+    torch.set_num_threads(job["threads"])
     model = AutoModelForCausalLM.from_pretrained(job["ckpt"], dtype=torch.float32).eval()
     n_new = job["new_tokens"]
     configs = [(None, "full (kvpress)")] + [
