@@ -115,12 +115,13 @@ def with_cpu_share(fn):
     return out, cpu / (wall * min(torch.get_num_threads(), os.cpu_count()))
 
 
-def time_ours(model, prompts, new_tokens, kv, compile, flags) -> dict:
+def time_ours(model, prompts, new_tokens, kv, compile, flags, **options) -> dict:
     g, share = with_cpu_share(lambda: gen.generate(model, prompts, new_tokens, kv=kv,
-                                                   compile=compile, token_flags=flags))
+                                                   compile=compile, token_flags=flags, **options))
     B = len(prompts)
     return dict(prefill=B * len(prompts[0]) / g.prefill_s, decode=B * g.decode_steps / g.decode_s,
-                cpu=share, compile_s=g.compile_s, kv=g.kv_bytes, full_kv=g.full_kv_bytes)
+                cpu=share, compile_s=g.compile_s, kv=g.kv_bytes, full_kv=g.full_kv_bytes,
+                profile_share=g.profile_s / (g.prefill_s + g.decode_s))
 
 
 def time_hf(hf, prompts, new_tokens) -> dict:
@@ -138,7 +139,7 @@ def time_hf(hf, prompts, new_tokens) -> dict:
     (tn, out), share = with_cpu_share(lambda: run(new_tokens))
     kv = sum(t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
     return dict(prefill=B * T / t1, decode=B * (new_tokens - 1) / (tn - t1), cpu=share,
-                compile_s=0.0, kv=kv, full_kv=kv)
+                compile_s=0.0, kv=kv, full_kv=kv, profile_share=0.0)
 
 
 def bench(args) -> str:

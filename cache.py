@@ -15,6 +15,8 @@ its heavy-hitter score, and free the slots the policy no longer keeps.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn as nn
 
@@ -80,6 +82,12 @@ class Bucket(nn.Module):
         return int((self.pos >= 0).sum())
 
 
+def _clock(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class FastGenCache(nn.Module):
     """One layer's compressed cache.
 
@@ -100,6 +108,7 @@ class FastGenCache(nn.Module):
         self.register_buffer("token_flags", token_flags, persistent=False)
         self.buckets: nn.ModuleList | None = None
         self.choice = self.recovery = None  # the plan, (S,) and (S, len(policies))
+        self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.buckets is None:
@@ -108,6 +117,7 @@ class FastGenCache(nn.Module):
 
     def prefill(self, q, k, v, tokens):
         y = causal_attention(q, k, v)
+        t0 = _clock(q.device)
         B, K, T, D = k.shape
         lens = self.prompt_lens
         windows = window_sizes(local_ratio(self.policies), lens)
@@ -140,6 +150,7 @@ class FastGenCache(nn.Module):
                 capacity = int(bound.max()) + 1
                 buckets.append(Bucket(policy, seg, prompt[seg], keys[seg], values[seg], capacity))
         self.buckets = nn.ModuleList(buckets)
+        self.profile_s = _clock(q.device) - t0
         return y
 
     def decode(self, q, k, v, input_pos, tokens):

@@ -115,6 +115,7 @@ class Generation:
     full_kv_bytes: int = 0              # the full cache for the same work
     kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
     seen_tokens: int = 0                # the same count for a full cache
+    profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
     plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
     recovery: list[list[list[float]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -128,6 +129,9 @@ class Generation:
             f"{len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9):.1f} tok/s "
             f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
             + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
+            *([f"profiling and compression {self.profile_s:.2f} s ({self.profile_s / total:.1%} "
+               f"of the {total:.2f} s of prefill + decode)"]
+              if self.profile_s and (total := self.prefill_s + self.decode_s) else []),
             f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
             + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
@@ -213,6 +217,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         K = model.args.n_kv_heads
         gen.kept_tokens = sum(c.kept() for c in caches)
         gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
+        gen.profile_s = sum(c.profile_s for c in caches)
         gen.plan = [[repr(p) for p in c.plan()] for c in caches]
         gen.recovery = [c.recovery.tolist() for c in caches]
     model.setup_caches(None)

@@ -97,11 +97,12 @@ def main(job_path, result_path):
             failed[name] = f"{type(e).__name__}: {e}"
             return None, None
 
-    for chunk in batches(job["windows"], job["batch"]):
+    from tqdm import tqdm
+    for chunk in tqdm(batches(job["windows"], job["batch"]), desc="kvpress text batches"):
         follow = torch.tensor([w[-n_new:] for w in chunk])
         recorded, last = record(model, [w[:-n_new] for w in chunk])
         ref = None
-        for press, name in configs:
+        for press, name in tqdm(configs, desc="kvpress configurations", leave=False):
             logits, nbytes = run(press, name, recorded, last, n_new, follow)
             if logits is None:
                 continue
@@ -120,7 +121,7 @@ def main(job_path, result_path):
         by_len.setdefault(len(ids), []).append(i)
     answers = {name: [None] * len(job["cases"]) for _, name in configs}
     for idx in by_len.values():
-        for chunk in batches(idx, job["batch"]):
+        for chunk in tqdm(batches(idx, job["batch"]), desc="kvpress passkey batches"):
             recorded, last = record(model, [job["cases"][i][0] for i in chunk])
             for press, name in configs:
                 logits, nbytes = run(press, name, recorded, last, job["passkey_tokens"])
@@ -150,4 +151,8 @@ def _version(package):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    try:
+        main(*sys.argv[1:3])
+    except Exception:  # noqa: BLE001 - evaluate.py writes why into its report
+        import traceback
+        open(sys.argv[2], "w").write(json.dumps({"error": traceback.format_exc()}))

@@ -63,3 +63,16 @@ def test_passkey_prompts_hide_the_key(tiny_ckpt):
     key = cases[0][1]
     assert evaluate.answer_ok(tok, tok.encode(f" {key}. Remember"), key)
     assert not evaluate.answer_ok(tok, tok.encode(" 1234"), key)
+
+
+def test_peer_failure_is_reported(tiny_ckpt):
+    """Without kvpress (this environment) the peer says why instead of failing the run."""
+    import importlib.util
+    import sys
+    if importlib.util.find_spec("kvpress") is not None:
+        pytest.skip("kvpress is installed here")
+    got = evaluate.run_peer(sys.executable, tiny_ckpt, [[1, 2, 3, 4]], 2, [([1, 2, 3], "12345")],
+                            2, [0.5], batch=1, threads=1)
+    assert "kvpress" in got["error"]
+    assert "cannot start" in evaluate.run_peer("/nonexistent/python", tiny_ckpt, [], 2, [], 2,
+                                               [0.5], batch=1, threads=1)["error"]

@@ -1,0 +1,74 @@
+"""Every measurement of the README's "Results", one command.
+
+    python reproduce.py              # the studies at light settings, ~35 min on 2 cores
+    python reproduce.py --full       # the README's settings (medians of 3, compiled rows), ~2.5 h
+    python reproduce.py --quick --ckpt TINY_CHECKPOINT   # a smoke test, seconds
+
+It runs, one after the other (never side by side: they time things):
+attention_study.py (recovery vs compression, policy mix, decode-time
+recovery), evaluate.py (quality and passkey at equal KV bytes), bench.py
+(speed against transformers and the roofline) and scaling.py (speed and
+memory as the prompt and the batch grow). The light settings keep every
+study's size (30 prompts, 30 windows, 40 passkeys, every sweep cell) and
+take one timed run per cell instead of three, with no compiled rows.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def steps(args) -> list[tuple[str, list[str]]]:
+    out = Path(args.out)
+    ckpt = ["--ckpt", args.ckpt] if args.ckpt else []
+    quick = ["--quick"] if args.quick else []
+    light = [] if args.full or args.quick else ["--runs", "1"]
+    return [
+        ("attention study", ["attention_study.py", "--threads", "1", "--out", str(out)]),
+        ("quality and passkey", ["evaluate.py", "--threads", "1", "--out", str(out / "quality")]
+         + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else [])),
+        ("speed against transformers", ["bench.py", "--out", str(out / "bench.md")]
+         + ([] if args.full or args.quick else ["--compile", "none"]) + light),
+        ("speed and memory scaling", ["scaling.py", "--out", str(out / "scaling")] + light),
+    ], ckpt + quick
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Run every study behind the README's results, "
+                                "one after the other, writing into --out.")
+    p.add_argument("--out", default="results", help="output folder (default results/)")
+    p.add_argument("--full", action="store_true", help="the README's settings: medians of 3 "
+                   "runs and the compiled rows of bench.py (~2.5 h on 2 cores instead of ~35 min)")
+    p.add_argument("--quick", action="store_true", help="every script in its --quick mode")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--peer", action="store_true", help="also run NVIDIA kvpress in evaluate.py "
+                   "(needs its own environment, see evaluate.py)")
+    p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
+                   help="python of the kvpress environment (default /tmp/kvp/bin/python)")
+    args = p.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    todo, common = steps(args)
+    t_start = time.perf_counter()
+    for i, (name, cmd) in enumerate(todo, 1):
+        cmd = [sys.executable, str(HERE / cmd[0])] + cmd[1:] + common
+        print(f"[{i}/{len(todo)}] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            print(f"error: {name} failed (exit {done.returncode}); its output is above",
+                  file=sys.stderr)
+            return done.returncode
+        print(f"[{i}/{len(todo)}] {name}: done in {(time.perf_counter() - t0) / 60:.1f} min",
+              file=sys.stderr, flush=True)
+    print(f"all done in {(time.perf_counter() - t_start) / 60:.1f} min; results in {args.out}/",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
