@@ -62,6 +62,25 @@ def bandwidth_gbs(gib: float, reps: int = 5) -> float:
     return 2 * src.nbytes / statistics.median(times[1:]) / 1e9
 
 
+def matmul_floor(model, reps: int = 5) -> float:
+    """Decode steps/s at batch 1 if a step did nothing but the model's weight matmuls
+    (one token through every linear layer, each weight read once, no attention): what
+    torch's own CPU kernels reach on these weights here, a practical ceiling."""
+    weights = list({p.data_ptr(): p for n, p in model.named_parameters()
+                    if p.dim() == 2 and not n.startswith("tok_embeddings")}.values())
+    if model.output.weight.data_ptr() not in {w.data_ptr() for w in weights}:
+        weights.append(model.output.weight)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            times.append(time.perf_counter() - t0)
+    return 1 / statistics.median(times[1:])
+
+
 def weight_bytes(model) -> int:
     """Weight bytes a decode step reads: each distinct tensor once, but of an untied
     input embedding only the row of the token."""
@@ -166,6 +185,7 @@ def bench(args) -> str:
 
     wait_until_idle(args.idle_wait)
     bw = bandwidth_gbs(args.bw_gib)
+    floor = matmul_floor(model)
     a = model.args
     w_bytes = weight_bytes(model)
     kv_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.output.weight.element_size()
@@ -237,6 +257,10 @@ def bench(args) -> str:
         f"= {kv_token * context / 1e6:.3g} MB.",
         "Roofline decode tok/s: " + ", ".join(f"batch {B}: {roofline(B):.1f}" for B in args.batch)
         + " (FastGen rows are compared with the full cache's roofline).",
+        f"Weight matmuls alone (batch 1, every linear layer once, no attention, median of 5): "
+        f"{floor:.1f} steps/s, {w_bytes * floor / 1e9:.1f} GB/s of weights: the ceiling "
+        f"torch's CPU kernels set for a batch-1 decode step here "
+        f"({floor / roofline(1):.0%} of the roofline).",
         "CPU share: CPU time of this process / (wall time x threads), median of the runs; "
         "well under 100% means other processes took the cores (compiled rows include "
         "compiling, partly in worker processes).",
