@@ -336,8 +336,10 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    a = parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    main(a.ckpt, a.out, a.quick, a.n_prompts, a.min_tokens, a.max_tokens, n_check=a.n_check,
-         n_decode=a.n_decode, command="python " + " ".join(sys.argv))
+    from generate import exit_on_user_error
+    with exit_on_user_error():
+        a = parse_args()
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        main(a.ckpt, a.out, a.quick, a.n_prompts, a.min_tokens, a.max_tokens,
+             n_check=a.n_check, n_decode=a.n_decode, command="python " + " ".join(sys.argv))

@@ -316,8 +316,9 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    report = bench(args)
+    with gen.exit_on_user_error():
+        args = parse_args()
+        report = bench(args)
     print(report)
     if args.out:
         Path(args.out).write_text(report + "\n")

@@ -493,10 +493,12 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    a = parse_args()
-    kwargs = {k: v for k, v in vars(a).items() if v is not None}
-    kwargs["out"] = a.out or ("results/quality_quick" if a.quick else "results/quality")
-    rows = main(command="python " + " ".join(sys.argv), **kwargs)
+    from generate import exit_on_user_error
+    with exit_on_user_error():
+        a = parse_args()
+        kwargs = {k: v for k, v in vars(a).items() if v is not None}
+        kwargs["out"] = a.out or ("results/quality_quick" if a.quick else "results/quality")
+        rows = main(command="python " + " ".join(sys.argv), **kwargs)
     for name, r in rows.items():
         print(f"{name:18s} share {r['share']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}  "
               f"ppl {r['ppl']:.2f}  passkey {r.get('pk_acc', float('nan')):.2f}")

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -54,9 +55,9 @@ def sample(logits, temperature: float = 0.0, top_k: int | None = None, top_p: fl
 def prefill(model: Transformer, tokens, prompt_lens, **sampling):
     """Run the padded prompts (B, T); return the first generated token (B, 1)."""
     B, T = tokens.shape
-    logits = model(tokens, torch.arange(T, device=tokens.device).expand(B, T))
-    last = logits[torch.arange(B, device=tokens.device), prompt_lens - 1]  # (B, V)
-    return sample(last, **sampling)[:, None]
+    logits = model(tokens, torch.arange(T, device=tokens.device).expand(B, T),
+                   logits_at=prompt_lens - 1)
+    return sample(logits[:, 0], **sampling)[:, None]
 
 
 def decode_one_token(model: Transformer, token, input_pos, **sampling):
@@ -432,11 +433,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def cli(argv=None) -> int:
+def user_errors() -> tuple[type[Exception], ...]:
+    """What a bad checkpoint, tokenizer or machine raises: a one-line message, exit 1."""
     from convert_gguf import ConversionError, ModelNotFound
     from model import CheckpointError
     from tokenizer import TokenizerError
+    return CheckpointError, TokenizerError, ModelNotFound, ConversionError, OutOfMemory
 
+
+@contextlib.contextmanager
+def exit_on_user_error():
+    """For the scripts: `with exit_on_user_error(): main()`."""
+    try:
+        yield
+    except user_errors() as e:
+        sys.exit(f"error: {e}")
+
+
+def cli(argv=None) -> int:
     a = parse_args(argv)
     kwargs = {k: v for k, v in vars(a).items() if k != "prompt"}
     single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file
@@ -445,7 +459,7 @@ def cli(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointError, TokenizerError, ModelNotFound, ConversionError, OutOfMemory) as e:
+    except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -275,8 +275,10 @@ class Transformer(nn.Module):
     def caches(self) -> list[nn.Module]:
         return [layer.attention.kv_cache for layer in self.layers]
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """tokens, input_pos: (B, T) -> logits (B, T, V), float32.
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, input_pos: (B, T) -> logits (B, T, V), float32; with
+        `logits_at` (B,), only the logits at those indices, (B, 1, V).
 
         input_pos holds each token's position in its own sequence. Without a
         cache the call must cover whole sequences from position 0.
@@ -285,6 +287,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope[:, input_pos].to(x.dtype).unsqueeze(2)  # (B, 1, T, D) each
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, tokens)
+        if logits_at is not None:  # prefill: the vocabulary projection of one row, not T
+            x = x[torch.arange(len(x), device=x.device), logits_at][:, None]
         return self.output(self.norm(x)).float()
 
 

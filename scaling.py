@@ -244,4 +244,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from generate import exit_on_user_error
+    with exit_on_user_error():
+        main()

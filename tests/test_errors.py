@@ -103,3 +103,15 @@ def test_full_and_fastgen_at_recovery_1_give_the_same_tokens(tiny_ckpt):
     full = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10, kv="full")
     fast = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10, kv="fastgen", recovery=1.0)
     assert full.tokens == fast.tokens
+
+
+@pytest.mark.parametrize("script", ["bench.py", "scaling.py", "evaluate.py", "attention_study.py"])
+def test_study_scripts_name_a_missing_checkpoint_in_one_line(script, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / script), "--quick",
+                        "--ckpt", str(tmp_path / "missing")], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"error: checkpoint folder {tmp_path / 'missing'} "
+                                             "does not exist"]

@@ -45,6 +45,18 @@ def test_cached_decode_equals_full_forward():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_logits_at_projects_only_the_rows_asked_for():
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny()).eval()
+    tokens = torch.randint(0, 256, (3, 12))
+    at = torch.tensor([11, 4, 7])
+    with torch.no_grad():
+        full = model(tokens, torch.arange(12).expand(3, 12))
+        some = model(tokens, torch.arange(12).expand(3, 12), logits_at=at)
+    assert some.shape == (3, 1, full.shape[-1])
+    torch.testing.assert_close(some[:, 0], full[torch.arange(3), at], atol=1e-5, rtol=1e-5)
+
+
 def test_batch_of_different_lengths_equals_each_alone():
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny()).eval()
