@@ -1,7 +1,7 @@
 """Every measurement of the README's "Results", one command.
 
     python reproduce.py              # the studies at light settings, ~35 min on 2 cores
-    python reproduce.py --full       # the README's settings (medians of 3, compiled rows), ~2.5 h
+    python reproduce.py --full       # the README's settings (medians of 3, compiled rows), ~1.5 h
     python reproduce.py --quick --ckpt TINY_CHECKPOINT   # a smoke test, seconds
 
 It runs, one after the other (never side by side: they time things):
@@ -29,8 +29,8 @@ def steps(args) -> list[tuple[str, list[str]]]:
     quick = ["--quick"] if args.quick else []
     light = [] if args.full or args.quick else ["--runs", "1"]
     return [
-        ("attention study", ["attention_study.py", "--threads", "1", "--out", str(out)]),
-        ("quality and passkey", ["evaluate.py", "--threads", "1", "--out", str(out / "quality")]
+        ("attention study", ["attention_study.py", "--out", str(out)]),
+        ("quality and passkey", ["evaluate.py", "--out", str(out / "quality")]
          + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else [])),
         ("speed against transformers", ["bench.py", "--out", str(out / "bench.md")]
          + ([] if args.full or args.quick else ["--compile", "none"]) + light),
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
                                 "one after the other, writing into --out.")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--full", action="store_true", help="the README's settings: medians of 3 "
-                   "runs and the compiled rows of bench.py (~2.5 h on 2 cores instead of ~35 min)")
+                   "runs and the compiled rows of bench.py (~1.5 h on 2 cores instead of ~35 min)")
     p.add_argument("--quick", action="store_true", help="every script in its --quick mode")
     p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--peer", action="store_true", help="also run NVIDIA kvpress in evaluate.py "
