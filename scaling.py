@@ -61,7 +61,8 @@ def measure(args) -> dict:
         return time_ours(model, prompts, new_tokens, impl, False, flags, recovery=args.recovery)
 
     grid = cells(args)
-    long = [n for n in args.profile_tokens if n != args.new_tokens]
+    reuse = (args.batch_len, 1) in grid and args.new_tokens in args.profile_tokens
+    long = [n for n in args.profile_tokens if not (reuse and n == args.new_tokens)]
     bar = tqdm(total=args.runs * (len(grid) * len(IMPLS) + len(long)), desc="scaling", unit="run")
     for impl in IMPLS:  # warm-up
         run(impl, [list(range(100, 108))], 2)
@@ -80,8 +81,8 @@ def measure(args) -> dict:
                              **{k: statistics.median(t[k] for t in ts)
                                 for k in ("prefill", "decode", "cpu", "profile_share")},
                              kv=ts[-1]["kv"], full_kv=ts[-1]["full_kv"], runs=ts))
-    profile = [r for r in rows if r["impl"] == "fastgen" and (r["prompt"], r["batch"])
-               == (args.batch_len, 1)]
+    profile = [r for r in rows if reuse and r["impl"] == "fastgen"
+               and (r["prompt"], r["batch"]) == (args.batch_len, 1)]
     prompts = text_prompts(tok, 1, args.batch_len, args.batch_len, seed=args.seed)
     for n_new in long:
         ts = []
