@@ -1,6 +1,6 @@
 """Every measurement of the README's "Results", one command.
 
-    python reproduce.py              # the studies at light settings, ~35 min on 2 cores
+    python reproduce.py              # the studies at light settings, 32 min on 2 cores
     python reproduce.py --full       # the README's settings (medians of 3, compiled rows), ~1.5 h
     python reproduce.py --quick --ckpt TINY_CHECKPOINT   # a smoke test, seconds
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
                                 "one after the other, writing into --out.")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--full", action="store_true", help="the README's settings: medians of 3 "
-                   "runs and the compiled rows of bench.py (~1.5 h on 2 cores instead of ~35 min)")
+                   "runs and the compiled rows of bench.py (~1.5 h on 2 cores instead of 32 min)")
     p.add_argument("--quick", action="store_true", help="every script in its --quick mode")
     p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--peer", action="store_true", help="also run NVIDIA kvpress in evaluate.py "
