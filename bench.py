@@ -188,7 +188,7 @@ def bench(args) -> str:
     floor = matmul_floor(model)
     a = model.args
     w_bytes = weight_bytes(model)
-    kv_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.output.weight.element_size()
+    kv_token = gen.dense_kv_bytes(model, 1, 1)
     context = args.prompt_len + args.new_tokens / 2  # tokens attended, mean over the steps
     roofline = lambda B: B * bw * 1e9 / (w_bytes + B * kv_token * context)
 
@@ -307,8 +307,10 @@ def parse_args(argv=None):
         args.compile_mode, args.bw_gib, args.idle_wait = "none", 1 / 16, 0
     args.batch = sorted(set(args.batch or [1, 8]))
     args.compile = {"both": [False, True], "only": [True], "none": [False]}[args.compile_mode]
-    if args.new_tokens < 2 or args.prompt_len < 8 or args.runs < 1 or min(args.batch) < 1:
-        p.error("need --new-tokens >= 2, --prompt-len >= 8, --runs >= 1 and --batch >= 1")
+    if (args.new_tokens < 2 or args.prompt_len < 8 or args.runs < 1 or min(args.batch) < 1
+            or args.threads < 1):
+        p.error("need --new-tokens >= 2, --prompt-len >= 8, --runs >= 1, --batch >= 1 "
+                "and --threads >= 1")
     if args.ckpt is None:
         from convert_gguf import default_checkpoint
         args.ckpt = default_checkpoint()

@@ -489,7 +489,10 @@ def parse_args(argv=None):
                    "decode step is thousands of small ops")
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.threads is not None and a.threads < 1:
+        p.error("--threads must be at least 1")
+    return a
 
 
 if __name__ == "__main__":

@@ -130,15 +130,17 @@ class Generation:
             f"{len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9):.1f} tok/s "
             f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
             + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
-            *([f"profiling and compression {self.profile_s:.2f} s ({self.profile_s / total:.1%} "
-               f"of the {total:.2f} s of prefill + decode)"]
-              if self.profile_s and (total := self.prefill_s + self.decode_s) else []),
             f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
             + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
                f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%})"
                if self.plan else ""),
         ]
+        if self.profile_s:
+            total = self.prefill_s + self.decode_s
+            share = self.profile_s / total
+            lines.insert(2, f"profiling and compression {self.profile_s:.2f} s ({share:.1%} of "
+                            f"the {total:.2f} s of prefill + decode)")
         if self.plan:
             names = list(dict.fromkeys(p for layer in self.plan for p in layer))
             lines.append("policy count per layer (segments = sequences x KV heads):")

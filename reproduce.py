@@ -23,19 +23,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def steps(args) -> list[tuple[str, list[str]]]:
+def steps(args) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """(name, script and its arguments) of each study, and the arguments all take."""
     out = Path(args.out)
-    ckpt = ["--ckpt", args.ckpt] if args.ckpt else []
-    quick = ["--quick"] if args.quick else []
+    common = (["--ckpt", args.ckpt] if args.ckpt else []) + (["--quick"] if args.quick else [])
     light = [] if args.full or args.quick else ["--runs", "1"]
     return [
         ("attention study", ["attention_study.py", "--out", str(out)]),
         ("quality and passkey", ["evaluate.py", "--out", str(out / "quality")]
          + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else [])),
         ("speed against transformers", ["bench.py", "--out", str(out / "bench.md")]
-         + ([] if args.full or args.quick else ["--compile", "none"]) + light),
+         + (["--compile", "none"] if light else []) + light),
         ("speed and memory scaling", ["scaling.py", "--out", str(out / "scaling")] + light),
-    ], ckpt + quick
+    ], common
 
 
 def main(argv=None) -> int:

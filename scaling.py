@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from bench import machine_info, time_hf, time_ours, wait_until_idle, weight_bytes
+from generate import dense_kv_bytes
 
 IMPLS = ("transformers", "full", "fastgen")
 
@@ -95,10 +96,9 @@ def measure(args) -> dict:
                             profile_share=statistics.median(t["profile_share"] for t in ts),
                             runs=ts))
     bar.close()
-    a = model.args
-    kv_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.output.weight.element_size()
     return dict(rows=rows, profile=sorted(profile, key=lambda r: r["new_tokens"]),
-                weight_bytes=weight_bytes(model), kv_token_bytes=kv_token,
+                weight_bytes=weight_bytes(model), kv_token_bytes=dense_kv_bytes(model, 1, 1),
+                batch_len=args.batch_len,
                 machine=machine_info(args.threads), date=time.strftime("%Y-%m-%d %H:%M"),
                 command="python scaling.py " + " ".join(args.argv), ckpt=str(args.ckpt),
                 runs=args.runs, new_tokens=args.new_tokens, recovery=args.recovery)
@@ -160,21 +160,18 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, B1 = res["rows"], 1
-    length_axis = sorted({r["prompt"] for r in rows if r["batch"] == B1})
-    batch_len = max((r["prompt"] for r in rows if r["batch"] > 1), default=None)
+    rows, n = res["rows"], res["batch_len"]
+    by = {(r["prompt"], r["batch"], r["impl"]): r for r in rows}
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex="col")
-    for col, (xs, pick, label) in enumerate([
-            (length_axis, lambda x: (x, B1), "prompt tokens (batch 1)"),
-            (sorted({r["batch"] for r in rows if r["prompt"] == batch_len}),
-             lambda x: (batch_len, x), f"batch ({batch_len}-token prompts)")]):
-        by = {(r["prompt"], r["batch"], r["impl"]): r for r in rows}
+    for col, (xs, cell, label) in enumerate([  # every cell of both sweeps was measured
+            (sorted({r["prompt"] for r in rows if r["batch"] == 1}), lambda x: (x, 1),
+             "prompt tokens (batch 1)"),
+            (sorted({r["batch"] for r in rows if r["prompt"] == n}), lambda x: (n, x),
+             f"batch ({n}-token prompts)")]):
         for impl, style in zip(IMPLS, ("s:", "o--", "^-")):
-            pts = [by[(*pick(x), impl)] for x in xs if (*pick(x), impl) in by]
-            if not pts:
-                continue
-            axes[0, col].plot(xs[:len(pts)], [p["decode"] for p in pts], style, label=impl)
-            axes[1, col].plot(xs[:len(pts)], [p["kv"] / 2**20 for p in pts], style, label=impl)
+            pts = [by[(*cell(x), impl)] for x in xs]
+            axes[0, col].plot(xs, [p["decode"] for p in pts], style, label=impl)
+            axes[1, col].plot(xs, [p["kv"] / 2**20 for p in pts], style, label=impl)
         axes[0, col].set_ylabel("decode tok/s (all sequences)")
         axes[1, col].set_ylabel("KV cache allocated, MiB")
         axes[1, col].set_xlabel(label)
@@ -221,8 +218,9 @@ def parse_args(argv=None):
         args.lengths, args.batches, args.batch_len = [16, 32], [1, 2], 32
         args.new_tokens, args.profile_tokens, args.runs, args.idle_wait = 4, [4, 8], 1, 0
     if (args.new_tokens < 2 or min(args.profile_tokens) < 2 or args.runs < 1
-            or min(args.lengths + args.batches + [args.batch_len]) < 1):
-        p.error("need --new-tokens and --profile-tokens >= 2, --runs >= 1, positive sizes")
+            or min(args.lengths + args.batches + [args.batch_len, args.threads]) < 1):
+        p.error("need --new-tokens and --profile-tokens >= 2, --runs >= 1, positive sizes "
+                "and threads")
     if args.ckpt is None:
         from convert_gguf import default_checkpoint
         args.ckpt = default_checkpoint()
