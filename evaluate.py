@@ -52,9 +52,9 @@ import cache as fastgen_cache
 import generate
 import model as model_module
 from model import causal_attention
-from profiling import attention_sums, window_sizes
+from profiling import attention_sums
 
-BASELINES = ("local", "sink", "h2o")
+BASELINES = ("local", "sink", "h2o", "tova", "snapkv")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about the important information there.")
@@ -67,9 +67,20 @@ class Config:
     options: dict
 
 
-def configs(thresholds, budgets) -> list[Config]:
+def configs(thresholds, budgets, paper_thresholds=(), ablation=False) -> list[Config]:
+    """The full cache; FastGen as the paper states it (threshold T), with the new
+    defaults in threshold and budget modes; the fixed policies at each budget;
+    with `ablation`, the budget mode with one change at a time undone."""
     out = [Config("full", "full", {})]
+    out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
+            for t in paper_thresholds]
     out += [Config(f"fastgen T={t:g}", "fastgen", {"recovery": t}) for t in thresholds]
+    out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
+    if ablation:
+        undo = {"sum": {"hh_score": "sum"}, "all-rows": {"obs_window": 0},
+                "no-sink": {"sink_mass": "drop"}}
+        out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
+                for name, o in undo.items() for b in budgets]
     out += [Config(f"{kind} b={b:g}", kind, {"kv_budget": b}) for kind in BASELINES for b in budgets]
     return out
 
@@ -77,29 +88,28 @@ def configs(thresholds, budgets) -> list[Config]:
 # --- Prefill once, replay every configuration --------------------------------
 
 class Recorder(nn.Module):
-    """A stand-in cache for one exact prefill: keeps the layer's q, k, v (and
-    the profiling column sums) so that each configuration can build its own
-    cache from them without running the model again."""
+    """A stand-in cache for one exact prefill: keeps the layer's q, k, v so that
+    each configuration can build its own cache from them without running the
+    model again, and the profiling sums each configuration asked for."""
 
-    def __init__(self, lens, r_local):
+    def __init__(self, lens):
         super().__init__()
-        self.lens, self.windows = lens, window_sizes(r_local, lens)
+        self.lens, self.sums = lens, {}
 
     def forward(self, q, k, v, input_pos, tokens):
         self.qkv = (q, k, v)
-        self.sums = attention_sums(q, k, self.lens, self.windows)
         return causal_attention(q, k, v)
 
 
 @torch.no_grad()
-def record(model, prompts, r_local):
+def record(model, prompts):
     """Exact prefill of a batch: (recorders, tokens, input_pos, lens, last-token logits)."""
     B, lens = len(prompts), torch.tensor([len(p) for p in prompts])
     tokens = torch.zeros(B, int(lens.max()), dtype=torch.long)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p)
     input_pos = torch.arange(tokens.shape[1]).expand_as(tokens)
-    recorders = [Recorder(lens, r_local) for _ in model.layers]
+    recorders = [Recorder(lens) for _ in model.layers]
     model.setup_caches(recorders)
     # model.forward without the output projection of every prompt position
     # (B x T x V floats): only the last token's logits are needed.
@@ -118,18 +128,15 @@ def from_record(recorders):
     model's prefill calls them), take from the record what the prefill already
     computed instead of computing it again for every configuration: the
     attention output (which the build discards) and profiling's column sums,
-    which depend only on the prompt. Except the Local band, which depends on
-    the window: for another window it is NaN. Only a shortlist's recovery
-    reads the band, and FastGen runs with the window recorded (checked in
-    `replay`); a single fixed policy's recovery is a report nothing reads, so
-    its cache is exact either way (tests/test_evaluate.py compares the logits
-    with `generate.score`)."""
+    which depend only on the prompt, the rows read and the Local windows
+    (tests/test_evaluate.py compares the logits with `generate.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
-    def sums(q, k, lens, windows, *args, **kwargs):
-        colsum, bandsum = by_key[id(k)].sums
-        same = torch.equal(windows, by_key[id(k)].windows)
-        return colsum, bandsum if same else torch.full_like(bandsum, math.nan)
+    def sums(q, k, lens, ratios=(), rows=None):
+        memo, key = by_key[id(k)].sums, (tuple(ratios), rows)
+        if key not in memo:
+            memo[key] = attention_sums(q, k, lens, ratios, rows)
+        return memo[key]
 
     skip = lambda q, k, v: None  # noqa: E731
     with mock.patch.object(fastgen_cache, "attention_sums", sums), \
@@ -150,11 +157,11 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=
     with from_record(recorders):
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
-    if config.kv == "fastgen" and not all(torch.isfinite(c.recovery).all() for c in caches):
-        raise RuntimeError("FastGen profiled with a Local window other than the recorded one")
     model.setup_caches(caches)
     out, pos = [last], lens[:, None]
     for i in range(n - 1):
+        for c in caches:
+            c.reserve()
         token = follow[:, i:i + 1] if follow is not None else out[-1].argmax(-1, keepdim=True)
         out.append(model(token, pos + i)[:, 0])
     nbytes = sum(c.nbytes() for c in caches)
@@ -179,7 +186,7 @@ def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent)
     acc = {c.name: dict(kl=0.0, top1=0.0, nll=0.0, bytes=0, full_bytes=0, kept=0.0) for c in cfgs}
     for chunk in tqdm(batches(windows, batch), desc="text batches", leave=False):
         follow = torch.tensor([w[-n_new:] for w in chunk])  # (B, N)
-        rec = record(model, [w[:-n_new] for w in chunk], r_local)
+        rec = record(model, [w[:-n_new] for w in chunk])
         ref = None
         for c in tqdm(cfgs, desc="configurations", leave=False):
             logits, nbytes, kept = replay(model, rec, c, n_new, follow, flags, r_local, r_frequent)
@@ -224,7 +231,7 @@ def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent) -
     """Per config: accuracy, bytes share and each case's answer."""
     res = {c.name: dict(correct=[], answers=[], bytes=0, full_bytes=0) for c in cfgs}
     for chunk in tqdm(batches(cases, batch), desc="passkey batches", leave=False):
-        rec = record(model, [ids for ids, _ in chunk], r_local)
+        rec = record(model, [ids for ids, _ in chunk])
         for c in tqdm(cfgs, desc="configurations", leave=False):
             logits, nbytes, _ = replay(model, rec, c, n_new, None, flags, r_local, r_frequent)
             r = res[c.name]

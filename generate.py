@@ -18,7 +18,7 @@ import torch
 
 from model import KVCache, Transformer
 
-KV_KINDS = ("full", "fastgen", "local", "sink", "h2o")
+KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,20 +87,37 @@ def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
 
 
 def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tokens: int,
-                token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=0.5):
-    """One cache per layer: dense for `full`, compressed for the others."""
+                token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=None,
+                hh_score="mean", obs_window=32, sink_mass="count", paper=False):
+    """One cache per layer: dense for `full`, compressed for the others.
+
+    fastgen: the paper's shortlist under the threshold `recovery`, or with
+    `kv_budget` the menu of policies under that byte budget. `paper` is the
+    paper's literal reading (heavy hitters by summed attention, profiling over
+    every prompt row, the sink's mass counted); otherwise `hh_score`,
+    `obs_window` (0: every row) and `sink_mass` choose. The fixed policies
+    keep `kv_budget` (default 0.5) of the prompt.
+    """
     a, w = model.args, model.tok_embeddings.weight
     if kv == "full":
         max_len = max(prompt_lens) + max_new_tokens
         return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
                 for _ in model.layers]
     from cache import fastgen_caches
-    from policies import baseline, shortlist
-    if kv == "fastgen":
-        policies, threshold = shortlist(r_local, r_frequent), recovery
-    else:
-        policies, threshold = [baseline(kv, kv_budget)], 0.0
-    return fastgen_caches(model, policies, threshold, prompt_lens, max_new_tokens, token_flags)
+    from policies import SnapKV, baseline, menu, shortlist
+    if paper:
+        hh_score, obs_window, sink_mass = "sum", 0, "count"
+    options = dict(rows=obs_window or None, sink=sink_mass == "count")
+    if kv == "fastgen" and kv_budget is not None and not paper:
+        policies = menu(r_local, r_frequent, hh_score)
+        options.update(budget=kv_budget)
+    elif kv == "fastgen":
+        policies = shortlist(r_local, r_frequent, hh_score)
+        options.update(threshold=recovery)
+    else:  # the fixed policies as their authors define them
+        policy = baseline(kv, 0.5 if kv_budget is None else kv_budget)
+        policies, options = [policy], dict(rows=policy.window if isinstance(policy, SnapKV) else None)
+    return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options)
 
 
 @dataclass
@@ -117,6 +134,7 @@ class Generation:
     kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
     seen_tokens: int = 0                # the same count for a full cache
     profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
+    growths: int = 0                    # times a compressed cache's bucket widened while decoding
     plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
     recovery: list[list[list[float]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -133,8 +151,8 @@ class Generation:
             f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
             + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
-               f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%})"
-               if self.plan else ""),
+               f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%}); "
+               f"{self.growths} bucket growths" if self.plan else ""),
         ]
         if self.profile_s:
             total = self.prefill_s + self.decode_s
@@ -155,13 +173,13 @@ class Generation:
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
              kv: str = "full", eos_ids=(), compile: bool = False, on_token=None,
-             token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=0.5,
-             temperature=0.0, top_k=None, top_p=1.0) -> Generation:
+             token_flags=None, temperature=0.0, top_k=None, top_p=1.0,
+             **cache_options) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (token ids), as one batch.
 
     Prompts are right-padded; each sequence keeps its own positions, so a
     short prompt never sees padding. `on_token(b, id)` is called for each new
-    token of sequence b as it is produced.
+    token of sequence b as it is produced. `cache_options` go to `make_caches`.
     """
     device = model.tok_embeddings.weight.device
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -171,8 +189,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p, device=device)
     prompt_lens = torch.tensor(lens, device=device)
-    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags,
-                                   recovery, r_local, r_frequent, kv_budget))
+    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags, **cache_options))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -199,6 +216,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     try:
         while not finished and steps < max_new_tokens - 1:
             t0 = time.perf_counter()
+            for c in model.caches():
+                c.reserve()
             cur = step(model, cur, input_pos, **sampling)
             sync()
             elapsed = time.perf_counter() - t0
@@ -223,6 +242,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         gen.profile_s = sum(c.profile_s for c in caches)
         gen.plan = [[repr(p) for p in c.plan()] for c in caches]
         gen.recovery = [c.recovery.tolist() for c in caches]
+        gen.growths = sum(c.growths() for c in caches)
     model.setup_caches(None)
     return gen
 
@@ -244,6 +264,8 @@ def score(model: Transformer, prompts: list[list[int]], continuations: list[list
     logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens))
     out = [logits[torch.arange(B, device=device), prompt_lens - 1]]
     for i in range(N - 1):
+        for c in model.caches():
+            c.reserve()
         out.append(model(follow[:, i:i + 1], (prompt_lens + i)[:, None])[:, 0])
     model.setup_caches(None)
     return torch.stack(out, dim=1)
@@ -276,7 +298,7 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
     need(0 < top_p <= 1, f"--top-p must be in (0, 1] (got {top_p})")
     need(0 < recovery <= 1, f"--recovery must be in (0, 1] (got {recovery})")
     for flag, r in (("--r-local", r_local), ("--r-frequent", r_frequent), ("--kv-budget", kv_budget)):
-        need(0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
+        need(r is None or 0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
     need(kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {kv!r})")
     need(dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     try:
@@ -299,8 +321,9 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
          recovery: float = 0.95, r_local: float = 0.3, r_frequent: float = 0.3,
-         kv_budget: float = 0.5, save_plan: str | None = None, stream: bool = False,
-         allow_pickle: bool = False) -> Generation:
+         kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
+         sink_mass: str = "count", paper: bool = False, save_plan: str | None = None,
+         stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (the default model if `ckpt` is None) and generate.
 
     With `stream`, a single prompt's text is printed as it is generated.
@@ -312,6 +335,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
 
     check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
                kv_budget, kv, device, dtype)
+    if obs_window < 0:
+        raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
     texts = read_prompts(prompt, prompt_file)
     if ckpt is None:
         from convert_gguf import default_checkpoint
@@ -340,6 +365,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
         gen = generate(model, prompts, max_new_tokens, kv=kv, eos_ids=tok.eos_ids,
                        compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
                        r_local=r_local, r_frequent=r_frequent, kv_budget=kv_budget,
+                       hh_score=hh_score, obs_window=obs_window, sink_mass=sink_mass, paper=paper,
                        temperature=temperature, top_k=top_k, top_p=top_p)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if "memory" not in str(e).lower():
@@ -418,15 +444,31 @@ def parse_args(argv=None):
                    help="KV cache: full (exact), fastgen (per-head policies chosen by "
                         "profiling the prompt), or a fixed policy for every head at "
                         "--kv-budget: local (window), sink (StreamingLLM: 4 sink "
-                        "tokens + window), h2o (heavy hitters + window) (default full)")
-    p.add_argument("--recovery", type=float, default=0.95, help="fastgen: share of each "
-                   "head's prompt attention its policy must recover, the paper's T (default 0.95)")
+                        "tokens + window), h2o (heavy hitters + window), tova (the "
+                        "tokens the latest query attends to most), snapkv (what the "
+                        "prompt's last 32 queries attend to, plus them) (default full)")
+    p.add_argument("--recovery", type=float, default=0.95, help="fastgen, threshold mode: "
+                   "share of each head's prompt attention its policy must recover, the "
+                   "paper's T (default 0.95)")
+    p.add_argument("--kv-budget", type=float, help="fastgen: budget mode instead of the "
+                   "threshold: each head takes the policy that maximizes the layer's "
+                   "recovered attention with at most this share of the prompt's tokens kept; "
+                   "local/sink/h2o/tova/snapkv: share of the prompt each head keeps (default 0.5)")
+    p.add_argument("--paper", action="store_true", help="fastgen: the paper's literal method "
+                   "(threshold mode, heavy hitters by summed attention, profiling over every "
+                   "prompt row, the sink's mass counted); overrides the three flags below")
+    p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
+                   "heavy hitters by attention per query since arrival, every new token "
+                   "entering (mean), or by summed attention, as the paper (sum) (default mean)")
+    p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "
+                   "prompt rows; 0 reads every row, as the paper (default 32)")
+    p.add_argument("--sink-mass", default="count", choices=["count", "drop"], help="fastgen: "
+                   "whether the first token's attention counts in a head's recovery (default "
+                   "count)")
     p.add_argument("--r-local", type=float, default=0.3, help="fastgen: Local window as a "
                    "share of the prompt (default 0.3)")
     p.add_argument("--r-frequent", type=float, default=0.3, help="fastgen: heavy-hitter "
                    "budget as a share of the tokens seen (default 0.3)")
-    p.add_argument("--kv-budget", type=float, default=0.5, help="local/sink/h2o: share of "
-                   "the prompt each head keeps (default 0.5)")
     p.add_argument("--allow-pickle", action="store_true", help="also load *.bin/*.pth "
                    "weights (pickles) when a checkpoint has no safetensors, with "
                    "torch.load(weights_only=True); off by default because unpickling can run code")

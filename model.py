@@ -203,6 +203,10 @@ class KVCache(nn.Module):
         y, _ = attend(q.view(B, K, -1, D), self.k, self.v, visible)  # (B, K, G, D)
         return y.view(q.shape)
 
+    def reserve(self):
+        """Called before each decode step, outside compiled code, so that a cache
+        that grows (cache.FastGenCache) can; this one was sized up front."""
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
