@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import generate as gen_
+from cache import _groups
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from profiling import choose
@@ -47,7 +48,7 @@ def profile_prompt(model, prompt, flags, policies):
     """One prefill. Returns recoveries and kept counts, each (L, K, P): for every
     layer, KV head and shortlist policy."""
     T = len(prompt)
-    caches = gen_.make_caches(model, "fastgen", [T], 1, flags, recovery=1.0)
+    caches = gen_.make_caches(model, "fastgen", [T], 1, flags, recovery=1.0, paper=True)
     model.setup_caches(caches)
     gen_.prefill(model, torch.tensor([prompt]), torch.tensor([T]))
     model.setup_caches(None)
@@ -65,16 +66,17 @@ def derive(model, rec, kept, threshold):
     """What the cache does at `threshold`: each head's policy (L, K), its recovery
     and kept tokens (L, K), and the bytes the cache allocates."""
     # cache.py's Bucket: K and V (D values each), pos int32, score float32 and
-    # flags uint8 per slot; seg and prompt_len int64 per segment.
+    # flags uint8 per slot; seg, prompt_len and first_query int64 per segment.
     per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
     choice = torch.stack([choose(r, threshold) for r in rec])  # (L, K)
     n_kept = kept.gather(2, choice[..., None])[..., 0]
     nbytes = 0
     for l in range(rec.shape[0]):
         for p in choice[l].unique():
-            heads = choice[l] == p
-            # A bucket is as wide as its fullest head, plus the slot for a new token.
-            nbytes += int(heads.sum()) * ((int(n_kept[l][heads].max()) + 1) * per_slot + 16)
+            # Heads of one policy holding about as much share a bucket as wide as the fullest.
+            sizes = sorted(n_kept[l][choice[l] == p].tolist())
+            for g in _groups(sizes):
+                nbytes += len(sizes[g]) * (max(sizes[g]) * per_slot + 24)
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 
 
@@ -94,7 +96,8 @@ def sweep(model, prompts, flags, policies, thresholds, n_check):
             a["kept"].append(n_kept.sum().item() / (n_kept.numel() * len(prompt)))
             a["mix"] = a["mix"] + torch.nn.functional.one_hot(choice, len(policies)).float()
             if i < n_check:
-                g = gen_.generate(model, [prompt], 1, kv="fastgen", recovery=t, token_flags=flags)
+                g = gen_.generate(model, [prompt], 1, kv="fastgen", recovery=t, token_flags=flags,
+                                  paper=True)
                 checks.append(dict(prompt=i, T=t, derived_bytes=nbytes, allocated_bytes=g.kv_bytes,
                                    derived_kept=int(n_kept.sum()), allocated_kept=g.kept_tokens,
                                    same_plan=g.plan == [[names[p] for p in l] for l in choice.tolist()]))
@@ -142,7 +145,7 @@ def decode_check(model, prompt, flags, threshold, steps):
     policy index (L, K)."""
     T, n = len(prompt), max(steps)
     a, w = model.args, model.tok_embeddings.weight
-    fast = gen_.make_caches(model, "fastgen", [T], n + 1, flags, recovery=threshold)
+    fast = gen_.make_caches(model, "fastgen", [T], n + 1, flags, recovery=threshold, paper=True)
     dense = [ProbedKVCache(1, a.n_kv_heads, T + n + 1, a.head_dim, w.dtype) for _ in model.layers]
     for caches in (dense, fast):  # both prefills are exact, so both give the same first token
         model.setup_caches(caches)
@@ -155,6 +158,8 @@ def decode_check(model, prompt, flags, threshold, steps):
         model.setup_caches(dense)
         gen_.decode_one_token(model, cur, pos)  # teacher-forced on FastGen's tokens
         model.setup_caches(fast)
+        for c in fast:
+            c.reserve()
         cur = gen_.decode_one_token(model, cur, pos)
         if s in steps:
             out.append(torch.stack([(c.probs[0, :, :T + s] * h).sum(-1) for c, h in zip(dense, holds)]))
