@@ -70,7 +70,7 @@ class Config:
 def configs(thresholds, budgets, paper_thresholds=(), ablation=False) -> list[Config]:
     """The full cache; FastGen as the paper states it (threshold T), with the new
     defaults in threshold and budget modes; the fixed policies at each budget;
-    with `ablation`, the budget mode with one change at a time undone."""
+    with `ablation`, the budget mode at the middle budget with one choice changed."""
     out = [Config("full", "full", {})]
     out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
             for t in paper_thresholds]
@@ -78,9 +78,10 @@ def configs(thresholds, budgets, paper_thresholds=(), ablation=False) -> list[Co
     out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
     if ablation:
         undo = {"sum": {"hh_score": "sum"}, "all-rows": {"obs_window": 0},
-                "no-sink": {"sink_mass": "drop"}}
+                "sink-dropped": {"sink_mass": "drop"}}
+        b = sorted(budgets)[len(budgets) // 2]  # the middle budget
         out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
-                for name, o in undo.items() for b in budgets]
+                for name, o in undo.items()]
     out += [Config(f"{kind} b={b:g}", kind, {"kv_budget": b}) for kind in BASELINES for b in budgets]
     return out
 
@@ -306,7 +307,7 @@ def report(rows, meta, peer_error) -> str:
              f"{meta['runtime_s'] / 60:.1f} min"
              + (f" (+ {meta['peer_runtime_s'] / 60:.1f} min for the peer)" if meta["peer"] else "")
              + ".\n", f"    {meta['command']}\n",
-             f"Model: `{meta['model']}`. Text: {meta['windows']} windows of {meta['prompt_len']} "
+             f"Model: `{meta['model']}`. Text (`{meta.get('text', 'pydoc')}`): {meta['windows']} windows of {meta['prompt_len']} "
              f"prompt + {meta['new_tokens']} continuation tokens of real text (`textdata`, seed "
              f"{meta['seed']}), teacher-forced. Passkey: {meta['passkeys']} cases of "
              f"{meta['passkey_len']} tokens ({meta['passkey_format']} prompt), greedy "
@@ -400,9 +401,10 @@ def machine() -> str:
 def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool = False,
          windows: int = 30, prompt_len: int = 768, new_tokens: int = 64, passkeys: int = 40,
          filler: int = 40, passkey_tokens: int = 8, passkey_chat: bool = False,
-         thresholds=(0.5, 0.7, 0.8, 0.9, 0.98), budgets=(0.2, 0.35, 0.5, 0.65, 0.8),
-         batch: int = 30, r_local: float = 0.3, r_frequent: float = 0.3, seed: int = 0,
-         peer: str | None = None, peer_python: str = "/tmp/kvp/bin/python",
+         thresholds=(0.9,), budgets=(0.25, 0.5, 0.75), paper_thresholds=(0.7, 0.9, 0.98),
+         ablation: bool = False, text: str = "pydoc", batch: int = 30, r_local: float = 0.3,
+         r_frequent: float = 0.3, seed: int = 0, peer: str | None = None,
+         peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
          threads: int | None = None, command: str | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics)."""
@@ -414,7 +416,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
     from tokenizer import Tokenizer
     if quick:
         windows, prompt_len, new_tokens, passkeys, filler, passkey_tokens = 4, 40, 8, 4, 0, 4
-        thresholds, budgets, batch = (0.9, 1.0), (0.3, 0.6), 4
+        thresholds, budgets, paper_thresholds, batch = (0.9, 1.0), (0.3, 0.6), (0.9,), 4
     if ckpt is None:
         from convert_gguf import default_checkpoint
         ckpt = default_checkpoint()
@@ -426,16 +428,16 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
     V = model.args.vocab_size
     flags = token_flags(V, [i for i in tok.special_ids if i < V],
                         [i for i in tok.punctuation_ids() if i < V])
-    texts = prompts(tok, windows, prompt_len + new_tokens, prompt_len + new_tokens, seed)
+    texts = prompts(tok, windows, prompt_len + new_tokens, prompt_len + new_tokens, seed, text)
     cases = passkey_cases(tok, passkeys, filler, seed, passkey_chat)
-    longest = max(len(c[0]) for c in cases) + passkey_tokens
+    longest = max([len(c[0]) for c in cases], default=0) + passkey_tokens
     if max(prompt_len + new_tokens, longest) > model.args.max_seq_len:
         raise ValueError(f"{max(prompt_len + new_tokens, longest)} tokens exceed the model's "
                          f"context of {model.args.max_seq_len}")
-    cfgs = configs(thresholds, budgets)
+    cfgs = configs(thresholds, budgets, paper_thresholds, ablation)
     run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent)
     rows = text_quality(model, texts, new_tokens, cfgs, **run)
-    for name, r in passkey(model, tok, cases, passkey_tokens, cfgs, **run).items():
+    for name, r in (passkey(model, tok, cases, passkey_tokens, cfgs, **run) if cases else {}).items():
         rows[name].update(pk_acc=r["acc"], pk_share=r["share"], pk_answers=r["answers"])
     ours_s, peer_error = time.perf_counter() - t0, None
     if peer == "kvpress":
@@ -447,14 +449,20 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
             r.update(pk_acc=sum(answer_ok(tok, t, key) for t, (_, key) in zip(ids, cases)) / len(cases),
                      pk_answers=[tok.decode(t) for t in ids])
             rows[name] = r
+    if peer_rows:  # an earlier run's kvpress rows, on the same windows and cases
+        earlier = json.loads(Path(peer_rows).read_text())
+        got = dict(info=earlier["meta"].get("peer_info"))
+        rows |= {f"{n} ({earlier['meta']['date']})": r for n, r in earlier["rows"].items()
+                 if n.startswith("kvpress") or n == "full (kvpress)"}
     meta = dict(machine=machine(), torch=torch.__version__, date=datetime.date.today().isoformat(),
                 command=command or "python evaluate.py" + (" --quick" if quick else ""),
                 model=Path(ckpt).name, windows=windows, prompt_len=prompt_len,
                 new_tokens=new_tokens, seed=seed, passkeys=passkeys,
-                passkey_len=max(len(c[0]) for c in cases), passkey_tokens=passkey_tokens,
+                passkey_len=max([len(c[0]) for c in cases], default=0), passkey_tokens=passkey_tokens,
                 passkey_format="ChatML" if passkey_chat else "plain", r_local=r_local,
                 r_frequent=r_frequent, runtime_s=ours_s, peer_runtime_s=time.perf_counter() - t0 - ours_s,
-                peer=peer, peer_info=got.get("info") if peer else None)
+                peer=peer or peer_rows, peer_info=got.get("info") if peer or peer_rows else None,
+                text=text)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(report(rows, meta, peer_error))
@@ -480,10 +488,19 @@ def parse_args(argv=None):
     p.add_argument("--passkey-tokens", type=int, default=8, help="greedy tokens per answer (8)")
     p.add_argument("--passkey-chat", action="store_true", help="ChatML-wrap the passkey "
                    "question (default: a plain prompt, which this small model answers better)")
-    p.add_argument("--thresholds", type=float, nargs="*", default=[0.5, 0.7, 0.8, 0.9, 0.98],
-                   help="FastGen recovery thresholds T (none: no FastGen rows)")
-    p.add_argument("--budgets", type=float, nargs="*", default=[0.2, 0.35, 0.5, 0.65, 0.8],
-                   help="fixed policies' budgets: share of the prompt kept per head (none: "
+    p.add_argument("--text", default="pydoc", choices=["pydoc", "news"], help="real text: "
+                   "Python's documentation (pydoc) or news prose (news, from gensim's test data: "
+                   "pip install --no-deps gensim==4.4.0) (default pydoc)")
+    p.add_argument("--thresholds", type=float, nargs="*", default=[0.9],
+                   help="FastGen recovery thresholds T with the new defaults (none: no rows)")
+    p.add_argument("--paper-thresholds", type=float, nargs="*", default=[0.7, 0.9, 0.98],
+                   help="thresholds T of the paper's literal FastGen (none: no rows)")
+    p.add_argument("--ablation", action="store_true", help="also FastGen's budget mode with "
+                   "each change undone in turn (sum scores, all rows, sink dropped)")
+    p.add_argument("--peer-rows", help="add the kvpress rows of an earlier run's OUT.json "
+                   "(same windows and cases), labelled with its date")
+    p.add_argument("--budgets", type=float, nargs="*", default=[0.25, 0.5, 0.75],
+                   help="FastGen budgets and fixed policies' budgets: share of the prompt kept per head (none: "
                         "no fixed-policy rows)")
     p.add_argument("--batch", type=int, default=30, help="most windows / cases per batch (30)")
     p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
