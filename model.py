@@ -213,6 +213,15 @@ class KVCache(nn.Module):
         y, _ = attend(q.view(B, K, -1, D), self.k, self.v, visible)  # (B, K, G, D)
         return y.view(q.shape)
 
+    def grow(self, max_len: int):
+        """Room for max_len positions, keeping what is held: a chat's cache grows with the
+        conversation instead of being sized for the whole context, because a decode step
+        attends over every slot of the buffer."""
+        extra = max_len - self.k.shape[2]
+        if extra > 0:
+            self.k = F.pad(self.k, (0, 0, 0, extra))
+            self.v = F.pad(self.v, (0, 0, 0, extra))
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
