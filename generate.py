@@ -511,7 +511,7 @@ def exit_on_user_error():
     """For the scripts: `with exit_on_user_error(): main()`."""
     try:
         yield
-    except user_errors() as e:
+    except (UsageError,) + user_errors() as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # an output or input path of the script: missing folder, no permission
         sys.exit(f"error: {e.strerror or e}: {e.filename}" if e.filename else f"error: {e}")
