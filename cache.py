@@ -162,12 +162,12 @@ class FastGenCache(nn.Module):
             return self.prefill(q, k, v, tokens)
         return self.decode(q, k, v, input_pos, tokens)
 
-    def prefill(self, q, k, v, tokens):
-        y = causal_attention(q, k, v)
-        t0 = _clock(q.device)
+    def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
+        """The prompt's slots, (S, T), scored by the attention of the rows read,
+        and the recovery of every policy, (S, n_policies)."""
         B, K, T, D = k.shape
         lens = self.prompt_lens
-        prof = attention_sums(q, k, lens, local_ratios(self.policies), self.rows)
+        prof = attention_sums(q, k, lens, local_ratios(self.policies), rows)
         per_seg = lambda t: t.repeat_interleave(K, dim=0)  # (B, ...) -> (S, ...)  # noqa: E731
         positions = torch.arange(T, device=k.device)
         prompt = Slots(
@@ -175,9 +175,14 @@ class FastGenCache(nn.Module):
             score=prof.colsum, flags=per_seg(self.token_flags[tokens]),
             seen=per_seg(lens[:, None]), prompt_len=per_seg(lens[:, None]),
             first_query=per_seg(lens[:, None]) - prof.rows.long()[:, None], last=prof.last)
+        return prompt, torch.stack([recovery(p, prompt, prof, sink) for p in self.policies], dim=1)
+
+    def prefill(self, q, k, v, tokens):
+        y = causal_attention(q, k, v)
+        t0 = _clock(q.device)
+        B, K, T, D = k.shape
+        prompt, self.recovery = self.profile(q, k, tokens, self.rows, self.sink)
         keeps = [p.keep(prompt) for p in self.policies]  # (S, T) each
-        self.recovery = torch.stack([recovery(p, prompt, prof, self.sink)
-                                     for p in self.policies], dim=1)  # (S, n_policies)
         if len(self.policies) == 1:
             self.choice = torch.zeros(B * K, dtype=torch.long)
         elif self.budget is not None:
