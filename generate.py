@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+import tp
 from model import KVCache, Transformer
 
 KV_KINDS = ("full", "fastgen", "local", "sink", "h2o")
@@ -114,6 +115,7 @@ class Generation:
     compile_s: float = 0.0              # the first compiled step, excluded from decode_s
     kv_bytes: int = 0                   # allocated by the cache at the end
     full_kv_bytes: int = 0              # the full cache for the same work
+    kv_bytes_per_rank: list[int] = field(default_factory=list)  # tensor parallel: each rank's
     kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
     seen_tokens: int = 0                # the same count for a full cache
     profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
@@ -134,7 +136,9 @@ class Generation:
             + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
                f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%})"
-               if self.plan else ""),
+               if self.plan else "")
+            + (", per rank " + ", ".join(f"{b / 2**20:.2f}" for b in self.kv_bytes_per_rank)
+               + " MiB" if len(self.kv_bytes_per_rank) > 1 else ""),
         ]
         if self.profile_s:
             total = self.prefill_s + self.decode_s
@@ -210,6 +214,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             input_pos += 1
             finished = emit(cur)
     except KeyboardInterrupt:
+        if tp.world() > 1:
+            raise  # the ranks may have stopped at different steps: no more collectives
         interrupted = True  # keep what was generated so far
     caches = model.caches()
     gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
@@ -224,7 +230,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         gen.plan = [[repr(p) for p in c.plan()] for c in caches]
         gen.recovery = [c.recovery.tolist() for c in caches]
     model.setup_caches(None)
-    return gen
+    return tp.gather_stats(gen, B) if tp.world() > 1 else gen
 
 
 @torch.no_grad()
@@ -306,36 +312,47 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     With `stream`, a single prompt's text is printed as it is generated.
     Raises UsageError for bad arguments, model.CheckpointError and
     tokenizer.TokenizerError for checkpoints that cannot be loaded.
+
+    Under torchrun (tensor parallel, tp.py) every rank calls it and gets the
+    same `Generation`; only rank 0 streams. An error on one rank is raised by
+    the lowest failing rank, and the others exit with status 1.
     """
     from model import load_model
     from tokenizer import Tokenizer
 
-    check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-               kv_budget, kv, device, dtype)
-    texts = read_prompts(prompt, prompt_file)
-    if ckpt is None:
-        from convert_gguf import default_checkpoint
-        ckpt = default_checkpoint()
-    torch.manual_seed(seed)
-    model = load_model(ckpt, DTYPES[dtype], device, allow_pickle)
-    tok = Tokenizer(ckpt)
-    if chat:
-        texts = [tok.apply_chat(t) for t in texts]
-    prompts = [tok.encode(t) for t in texts]
-    longest = max(map(len, prompts))
-    if longest + max_new_tokens > model.args.max_seq_len:
-        raise UsageError(
-            f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {model.args.max_seq_len} tokens; shorten the prompt or "
-            "lower --max-new-tokens")
-    flags = None
-    if kv != "full":
-        from policies import token_flags
-        flags = token_flags(model.args.vocab_size, [i for i in tok.special_ids
-                                                    if i < model.args.vocab_size],
-                            [i for i in tok.punctuation_ids() if i < model.args.vocab_size])
+    device = tp.init(device)
+    with tp.same_outcome():
+        check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
+                   kv_budget, kv, device, dtype)
+        texts = read_prompts(prompt, prompt_file)
+        if ckpt is None and tp.rank() == 0:  # converted once, by one rank, while the others wait
+            from convert_gguf import default_checkpoint
+            ckpt = default_checkpoint()
+    with tp.same_outcome():
+        if ckpt is None:
+            from convert_gguf import default_checkpoint
+            ckpt = default_checkpoint()
+        # The same seed on every rank: the ranks sample the same tokens from the same logits.
+        torch.manual_seed(seed)
+        model = load_model(ckpt, DTYPES[dtype], device, allow_pickle, tp.rank(), tp.world())
+        tok = Tokenizer(ckpt)
+        if chat:
+            texts = [tok.apply_chat(t) for t in texts]
+        prompts = [tok.encode(t) for t in texts]
+        longest = max(map(len, prompts))
+        if longest + max_new_tokens > model.args.max_seq_len:
+            raise UsageError(
+                f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds "
+                f"the model's context of {model.args.max_seq_len} tokens; shorten the prompt "
+                "or lower --max-new-tokens")
+        flags = None
+        if kv != "full":
+            from policies import token_flags
+            V = model.args.vocab_size
+            flags = token_flags(V, [i for i in tok.special_ids if i < V],
+                                [i for i in tok.punctuation_ids() if i < V])
 
-    printer = StreamPrinter(tok) if stream and len(prompts) == 1 else None
+    printer = StreamPrinter(tok) if stream and len(prompts) == 1 and tp.rank() == 0 else None
     try:
         gen = generate(model, prompts, max_new_tokens, kv=kv, eos_ids=tok.eos_ids,
                        compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
@@ -354,10 +371,11 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
         if printer:
             printer.finish()
     gen.texts = [tok.decode([t for t in ids if t not in tok.eos_ids]) for ids in gen.tokens]
-    if save_plan and gen.plan:
+    if save_plan and gen.plan and tp.rank() == 0:
         Path(save_plan).write_text(json.dumps(
             {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
-             "n_kv_heads": model.args.n_kv_heads, "plan": gen.plan, "recovery": gen.recovery},
+             "n_kv_heads": model.args.n_kv_heads * tp.world(), "plan": gen.plan,
+             "recovery": gen.recovery},
             indent=1))
     return gen
 
@@ -456,17 +474,28 @@ def cli(argv=None) -> int:
     a = parse_args(argv)
     kwargs = {k: v for k, v in vars(a).items() if k != "prompt"}
     single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file
+
+    def fail(e, status):
+        # Under torchrun an error reaches only the rank that reports it
+        # (tp.same_outcome), so every rank prints the errors it gets.
+        print(f"error: {f'rank {tp.rank()}: ' if tp.rank() else ''}{e}", file=sys.stderr)
+        return status
+
     try:
         gen = main(a.prompt, stream=single, **kwargs)
+        if tp.rank() != 0:
+            return 0  # only rank 0 prints the results
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e, 2)
     except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(e, 1)
     except KeyboardInterrupt:
-        print("\ninterrupted before the first token", file=sys.stderr)
+        if tp.rank() == 0:
+            print("\ninterrupted" + (" before the first token" if tp.world() == 1 else ""),
+                  file=sys.stderr)
         return 130
+    finally:
+        tp.shutdown()
     if not single:
         for i, text in enumerate(gen.texts):
             print(f"--- [{i}] ---\n{text}")
