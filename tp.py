@@ -145,14 +145,16 @@ def shard(key: str, tensor, r: int, n: int) -> torch.Tensor:
     safetensors slice, of which only that part is read, or a tensor."""
     dim = SPLIT_DIM.get(re.sub(r"^layers\.\d+\.", "", key))
     if dim is None:
-        return tensor[:]
+        return tensor[:].clone()
     shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
     part = vocab_part(shape[dim], n)  # heads and MLP columns divide evenly (local_args)
     lo, hi = min(r * part, shape[dim]), min((r + 1) * part, shape[dim])
     t = tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]
     if hi - lo < part:  # the vocabulary's last part
         t = torch.cat([t, t.new_zeros(part - (hi - lo), *t.shape[1:])])
-    return t
+    # A copy that owns its memory: safetensors returns a view into the mapped
+    # file, which would keep every page of a column-split weight resident.
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class AllReduceLinear(nn.Linear):
