@@ -8,6 +8,7 @@ keeps, per head, only what that head's policy needs.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -380,7 +381,7 @@ def read_weights(f: Path, take) -> dict[str, torch.Tensor]:
                               "re-download it")
 
 
-def load_state_dict(files: list[Path], dtype: torch.dtype, take=lambda key, t: t[:]):
+def load_state_dict(files: list[Path], dtype: torch.dtype, take) -> dict[str, torch.Tensor]:
     sd = {}
     for f in files:
         sd |= read_weights(f, lambda key, t: take(key, t).to(dtype))
@@ -402,12 +403,11 @@ def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu",
         args = ModelArgs.from_hf_config(read_config(ckpt))
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt / 'config.json'}: {e if not isinstance(e, KeyError) else f'missing field {e}'}")
+    if world > 1:
+        import tp  # tensor parallel: this rank's share of the model, and of each weight
     with torch.device("meta"):
-        if world == 1:
-            model, take = Transformer(args), (lambda key, t: t[:])
-        else:
-            from tp import shard, sharded_model
-            model, take = sharded_model(args, rank, world), (lambda key, t: shard(key, t, rank, world))
+        model = Transformer(args) if world == 1 else tp.sharded_model(args, rank, world)
+    take = (lambda key, t: t[:]) if world == 1 else functools.partial(tp.shard, r=rank, n=world)
     sd = load_state_dict(weight_files(ckpt, allow_pickle), dtype, take)
     if args.tie_embeddings:
         # Tied models share one matrix; some exports still save a copy as lm_head.
