@@ -132,6 +132,22 @@ def test_an_error_on_one_rank_ends_all_ranks(ckpts, where):
     assert len(errors) == 1 and errors[0].startswith("error: rank 1: "), r.stderr
 
 
+def test_ctrl_c_ends_all_ranks(ckpts):
+    """Ctrl-C in a terminal signals torchrun and every rank (one process group)."""
+    import signal
+    import time
+    p = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "generate.py", "--ckpt", str(ckpts[2]), "--prompt", "Hello", "--max-new-tokens", "240"],
+        cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(1)  # rank 0 has started streaming
+    os.killpg(p.pid, signal.SIGINT)
+    t0 = time.perf_counter()
+    p.communicate(timeout=60)
+    assert p.returncode != 0 and time.perf_counter() - t0 < 30
+
+
 def worker(task, ckpt, out=None):
     """Runs on each rank under torchrun."""
     import generate
