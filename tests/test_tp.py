@@ -1,6 +1,6 @@
 """Tensor parallel (tp.py): N gloo processes under torchrun give the single process's output.
 
-Each test launches `torchrun` on this file (see `worker` at the bottom), which
+The tests launch `torchrun` on generate.py, or on this file (see `worker` at the bottom), which
 runs the same work on every rank and has rank 0 save what it got; the test
 then runs the work in one process and compares.
 """
@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import save_tiny_hf, save_tiny_tokenizer  # noqa: E402
+from conftest import save_tiny_hf, save_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello, world! How are you?", "The quick brown fox jumps over the lazy dog. Once"]
