@@ -43,7 +43,7 @@ from model import CheckpointError, ModelArgs, Transformer
 # (A rank that exits is noticed at once: torchrun then ends the others.)
 TIMEOUT = timedelta(minutes=5)
 
-# The dimension along which each weight is split (our names, per layer);
+# The dimension along which each weight is split (our names, less `layers.N.`);
 # weights not listed (the RMSNorms) are held whole by every rank.
 SPLIT_DIM = {
     "tok_embeddings.weight": 0, "output.weight": 0,
@@ -121,15 +121,16 @@ def local_args(args: ModelArgs, n: int) -> ModelArgs:
                                ffn_dim=args.ffn_dim // n)
 
 
-def vocab_part(vocab_size: int, n: int) -> int:
-    """Rows of the vocabulary per rank; the last rank's part is padded with zero rows."""
-    return -(-vocab_size // n)
+def part_size(size: int, n: int) -> int:
+    """Rows (or columns) per rank when `size` of them are split n ways, rounded up:
+    only the vocabulary may not divide, and its last part is padded with zero rows."""
+    return -(-size // n)
 
 
 def sharded_model(args: ModelArgs, r: int, n: int) -> Transformer:
     """Rank r's model (build it on the meta device; the loader fills it)."""
     model = Transformer(local_args(args, n))
-    part = vocab_part(args.vocab_size, n)
+    part = part_size(args.vocab_size, n)
     model.tok_embeddings = VocabShardedEmbedding(part, args.dim, start=r * part)
     model.output = VocabShardedOutput(args.dim, part, args.vocab_size)
     if args.tie_embeddings:
@@ -147,7 +148,7 @@ def shard(key: str, tensor, r: int, n: int) -> torch.Tensor:
     if dim is None:
         return tensor[:].clone()
     shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
-    part = vocab_part(shape[dim], n)  # heads and MLP columns divide evenly (local_args)
+    part = part_size(shape[dim], n)
     lo, hi = min(r * part, shape[dim]), min((r + 1) * part, shape[dim])
     t = tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]
     if hi - lo < part:  # the vocabulary's last part

@@ -1,8 +1,8 @@
 """Tensor parallel (tp.py): N gloo processes under torchrun give the single process's output.
 
-The tests launch `torchrun` on generate.py, or on this file (see `worker` at the bottom), which
-runs the same work on every rank and has rank 0 save what it got; the test
-then runs the work in one process and compares.
+The tests launch `torchrun` on generate.py or on this file (`worker`, at the
+bottom), which runs the same work on every rank and has rank 0 save what it
+got; the test then runs the work in one process and compares.
 """
 import json
 import os
