@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import generate as gen_
+from cache import _groups
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from profiling import choose
@@ -47,7 +48,7 @@ def profile_prompt(model, prompt, flags, policies):
     """One prefill. Returns recoveries and kept counts, each (L, K, P): for every
     layer, KV head and shortlist policy."""
     T = len(prompt)
-    caches = gen_.make_caches(model, "fastgen", [T], 1, flags, recovery=1.0)
+    caches = gen_.make_caches(model, "fastgen", [T], 1, flags, recovery=1.0, paper=True)
     model.setup_caches(caches)
     gen_.prefill(model, torch.tensor([prompt]), torch.tensor([T]))
     model.setup_caches(None)
@@ -65,16 +66,17 @@ def derive(model, rec, kept, threshold):
     """What the cache does at `threshold`: each head's policy (L, K), its recovery
     and kept tokens (L, K), and the bytes the cache allocates."""
     # cache.py's Bucket: K and V (D values each), pos int32, score float32 and
-    # flags uint8 per slot; seg and prompt_len int64 per segment.
+    # flags uint8 per slot; seg, prompt_len and first_query int64 per segment.
     per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
     choice = torch.stack([choose(r, threshold) for r in rec])  # (L, K)
     n_kept = kept.gather(2, choice[..., None])[..., 0]
     nbytes = 0
     for l in range(rec.shape[0]):
         for p in choice[l].unique():
-            heads = choice[l] == p
-            # A bucket is as wide as its fullest head, plus the slot for a new token.
-            nbytes += int(heads.sum()) * ((int(n_kept[l][heads].max()) + 1) * per_slot + 16)
+            # Heads of one policy holding about as much share a bucket as wide as the fullest.
+            sizes = sorted(n_kept[l][choice[l] == p].tolist())
+            for g in _groups(sizes):
+                nbytes += len(sizes[g]) * (max(sizes[g]) * per_slot + 24)
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 
 
@@ -94,7 +96,8 @@ def sweep(model, prompts, flags, policies, thresholds, n_check):
             a["kept"].append(n_kept.sum().item() / (n_kept.numel() * len(prompt)))
             a["mix"] = a["mix"] + torch.nn.functional.one_hot(choice, len(policies)).float()
             if i < n_check:
-                g = gen_.generate(model, [prompt], 1, kv="fastgen", recovery=t, token_flags=flags)
+                g = gen_.generate(model, [prompt], 1, kv="fastgen", recovery=t, token_flags=flags,
+                                  paper=True)
                 checks.append(dict(prompt=i, T=t, derived_bytes=nbytes, allocated_bytes=g.kv_bytes,
                                    derived_kept=int(n_kept.sum()), allocated_kept=g.kept_tokens,
                                    same_plan=g.plan == [[names[p] for p in l] for l in choice.tolist()]))
@@ -135,14 +138,39 @@ def held(cache, n_seen: int) -> torch.Tensor:
     return mask
 
 
+# Profiling variants whose prompt-time recovery is compared with decode-time recovery:
+# (query rows read: None = all, or the last n; whether the first token's mass counts).
+VARIANTS = {"all rows, sink counted (paper)": (None, True), "all rows, sink dropped": (None, False),
+            "last 32 rows, sink counted": (32, True), "last 32 rows, sink dropped": (32, False)}
+
+
+class Variants(torch.nn.Module):
+    """A FastGen layer cache that also profiles its prompt in every variant."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+    def forward(self, q, k, v, input_pos, tokens):
+        if self.cache.buckets is None:
+            self.recovery = torch.stack([self.cache.profile(q, k, tokens, rows, sink)[1]
+                                         for rows, sink in VARIANTS.values()])  # (V, S, P)
+        return self.cache(q, k, v, input_pos, tokens)
+
+    def reserve(self):
+        self.cache.reserve()
+
+
 @torch.no_grad()
 def decode_check(model, prompt, flags, threshold, steps):
-    """Recovery (len(steps), L, K) of each head's compressed cache at the given decode
-    steps under the dense model's attention; each head's prompt recovery (L, K) and
-    policy index (L, K)."""
+    """Recovery (2, len(steps), L, K) of each head's compressed cache at the given decode
+    steps under the dense model's attention, with and without the first token's mass;
+    each head's prompt recovery (L, K) and under every profiling variant (V, L, K), and
+    its policy index (L, K)."""
     T, n = len(prompt), max(steps)
     a, w = model.args, model.tok_embeddings.weight
-    fast = gen_.make_caches(model, "fastgen", [T], n + 1, flags, recovery=threshold)
+    fast = [Variants(c) for c in gen_.make_caches(model, "fastgen", [T], n + 1, flags,
+                                                  recovery=threshold, paper=True)]
     dense = [ProbedKVCache(1, a.n_kv_heads, T + n + 1, a.head_dim, w.dtype) for _ in model.layers]
     for caches in (dense, fast):  # both prefills are exact, so both give the same first token
         model.setup_caches(caches)
@@ -151,17 +179,39 @@ def decode_check(model, prompt, flags, threshold, steps):
     for s in range(1, n + 1):
         pos = torch.tensor([[T + s - 1]])
         if s in steps:  # what the compressed cache attends over at this step
-            holds = [held(c, T + s) | (torch.arange(T + s) == T + s - 1) for c in fast]
+            holds = [held(c.cache, T + s) | (torch.arange(T + s) == T + s - 1) for c in fast]
         model.setup_caches(dense)
         gen_.decode_one_token(model, cur, pos)  # teacher-forced on FastGen's tokens
         model.setup_caches(fast)
+        for c in fast:
+            c.reserve()
         cur = gen_.decode_one_token(model, cur, pos)
         if s in steps:
-            out.append(torch.stack([(c.probs[0, :, :T + s] * h).sum(-1) for c, h in zip(dense, holds)]))
+            got = torch.stack([(c.probs[0, :, :T + s] * h).sum(-1) for c, h in zip(dense, holds)])
+            sink = torch.stack([c.probs[0, :, 0] for c in dense])  # (L, K), always held
+            out.append(torch.stack([got, (got - sink) / (1 - sink)]))
     model.setup_caches(None)
-    choice = torch.stack([c.choice for c in fast])
-    prompt_rec = torch.stack([c.recovery.gather(1, c.choice[:, None])[:, 0] for c in fast])
-    return torch.stack(out), prompt_rec, choice
+    choice = torch.stack([c.cache.choice for c in fast])
+    variants = torch.stack([c.recovery.gather(2, c.cache.choice[None, :, None].expand(
+        len(VARIANTS), -1, 1))[..., 0] for c in fast], dim=1)  # (V, L, K)
+    return torch.stack(out, dim=1), variants[0], variants, choice
+
+
+def prediction_table(variants, per_step, choice, n_policies, headline):
+    """How well each profiling variant's prompt recovery predicts the recovery while
+    decoding, on the compressed heads: Pearson r against the mean over the decode
+    steps, the mean gap, and the share of heads that profiling passed (>= T) but
+    that fall below T while decoding."""
+    compressed = choice != n_policies - 1
+    rows = []
+    for v, (name, (_, sink)) in enumerate(VARIANTS.items()):
+        x = variants[v][compressed]
+        y = per_step[0 if sink else 1].mean(0)[compressed]  # mean over the decode steps
+        r = torch.corrcoef(torch.stack([x, y]))[0, 1].item() if x.numel() > 1 else float("nan")
+        passed = x >= headline
+        fell = (passed & (y < headline)).float().sum() / passed.float().sum().clamp(min=1)
+        rows.append((name, f"{r:.2f}", f"{(x - y).mean():+.3f}", f"{fell:.0%}"))
+    return table(["profiling", "r (prompt vs decode)", "mean gap", f"passed T, fell below it"], rows)
 
 
 # --- 2 and 4. Pictures and report ----------------------------------------------
@@ -225,9 +275,8 @@ def main(ckpt=None, out="results", quick=False, n_prompts=30, min_tokens=512, ma
         # some heads are compressed and the checks have something to check.
         n_prompts, min_tokens, max_tokens, thresholds, headline = 3, 24, 48, (0.5, 0.9), 0.9
         n_check, n_decode, steps = 3, 2, (1, 3)
-    if ckpt is None:
-        from convert_gguf import default_checkpoint
-        ckpt = default_checkpoint()
+    from convert_gguf import checkpoint_folder
+    ckpt = checkpoint_folder(ckpt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -246,8 +295,12 @@ def main(ckpt=None, out="results", quick=False, n_prompts=30, min_tokens=512, ma
 
     decode_prompts = prompts[::max(1, len(prompts) // n_decode)][:n_decode]
     runs = [decode_check(model, p, flags, headline, steps) for p in tqdm(decode_prompts, desc="decode check")]
-    per_step = torch.stack([r[0] for r in runs], dim=1)  # (steps, prompts, L, K)
-    prompt_rec, choice = torch.stack([r[1] for r in runs]), torch.stack([r[2] for r in runs])
+    per_step = torch.stack([r[0] for r in runs], dim=2)  # (2, steps, prompts, L, K)
+    prompt_rec, choice = torch.stack([r[1] for r in runs]), torch.stack([r[3] for r in runs])
+    variants = torch.stack([r[2] for r in runs], dim=1)  # (V, prompts, L, K)
+    predict_table = prediction_table(variants, per_step, choice, len(policies),
+                                     headline)
+    per_step = per_step[0]  # with the sink counted, as the paper measures
     runtime = time.perf_counter() - t_start
 
     sweep_table = table(
@@ -304,6 +357,18 @@ The prompt row is profiling's number (the mean over all prompt query rows). Comp
 Last columns: mean ± std per chosen policy (number of heads).
 
 {decode_table}
+
+## Which profiling predicts decoding
+
+The same heads and runs; each head's policy is the paper's choice above, and only the estimate
+of its recovery changes: over every prompt row or the last 32 (an observation window, as SnapKV
+reads), with the first token's attention counted or left out of both the prompt-time and the
+decode-time recovery. r: correlation across compressed heads between the prompt-time recovery and
+the decode-time recovery (mean over the steps above); gap: prompt minus decode; last column: of
+the heads whose prompt-time recovery reached T = {headline}, the share whose decode-time recovery
+is below T.
+
+{predict_table}
 """
     (out / "attention_study.md").write_text(report)
     (out / "attention_study.json").write_text(json.dumps(dict(
@@ -311,7 +376,8 @@ Last columns: mean ± std per chosen policy (number of heads).
         sweep={str(t): {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in s.items()}
                for t, s in summary.items()}, checks=checks, checks_ok=checks_ok,
         decode_steps=list(steps), decode_recovery=per_step.tolist(),
-        decode_prompt_recovery=prompt_rec.tolist(), decode_choice=choice.tolist()), indent=1))
+        decode_prompt_recovery=prompt_rec.tolist(), decode_choice=choice.tolist(),
+        variants=list(VARIANTS), decode_variant_recovery=variants.tolist()), indent=1))
     print(report)
     return dict(summary=summary, checks=checks, checks_ok=checks_ok, per_step=per_step,
                 prompt_rec=prompt_rec, choice=choice, runtime_s=runtime)
@@ -323,7 +389,8 @@ def parse_args(argv=None):
                                 "policy mix per layer, and recovery while decoding.")
     p.add_argument("--quick", action="store_true", help="3 short prompts, T in {0.5, 0.9}, decode "
                    "steps 1 and 3: a smoke test for tiny checkpoints (seconds)")
-    p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
+                   "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--n-prompts", type=int, default=30, help="prompts in the sweep (default 30)")
     p.add_argument("--min-tokens", type=int, default=512, help="shortest prompt (default 512)")

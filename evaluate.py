@@ -52,9 +52,9 @@ import cache as fastgen_cache
 import generate
 import model as model_module
 from model import causal_attention
-from profiling import attention_sums, window_sizes
+from profiling import attention_sums
 
-BASELINES = ("local", "sink", "h2o")
+BASELINES = ("local", "sink", "h2o", "tova", "snapkv")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about the important information there.")
@@ -67,9 +67,21 @@ class Config:
     options: dict
 
 
-def configs(thresholds, budgets) -> list[Config]:
+def configs(thresholds, budgets, paper_thresholds=(), ablation=False) -> list[Config]:
+    """The full cache; FastGen as the paper states it (threshold T), with the new
+    defaults in threshold and budget modes; the fixed policies at each budget;
+    with `ablation`, the budget mode at the middle budget with one choice changed."""
     out = [Config("full", "full", {})]
+    out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
+            for t in paper_thresholds]
     out += [Config(f"fastgen T={t:g}", "fastgen", {"recovery": t}) for t in thresholds]
+    out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
+    if ablation:
+        undo = {"sum": {"hh_score": "sum"}, "all-rows": {"obs_window": 0},
+                "sink-dropped": {"sink_mass": "drop"}}
+        b = sorted(budgets)[len(budgets) // 2]  # the middle budget
+        out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
+                for name, o in undo.items()]
     out += [Config(f"{kind} b={b:g}", kind, {"kv_budget": b}) for kind in BASELINES for b in budgets]
     return out
 
@@ -77,29 +89,28 @@ def configs(thresholds, budgets) -> list[Config]:
 # --- Prefill once, replay every configuration --------------------------------
 
 class Recorder(nn.Module):
-    """A stand-in cache for one exact prefill: keeps the layer's q, k, v (and
-    the profiling column sums) so that each configuration can build its own
-    cache from them without running the model again."""
+    """A stand-in cache for one exact prefill: keeps the layer's q, k, v so that
+    each configuration can build its own cache from them without running the
+    model again, and the profiling sums each configuration asked for."""
 
-    def __init__(self, lens, r_local):
+    def __init__(self, lens):
         super().__init__()
-        self.lens, self.windows = lens, window_sizes(r_local, lens)
+        self.lens, self.sums = lens, {}
 
     def forward(self, q, k, v, input_pos, tokens):
         self.qkv = (q, k, v)
-        self.sums = attention_sums(q, k, self.lens, self.windows)
         return causal_attention(q, k, v)
 
 
 @torch.no_grad()
-def record(model, prompts, r_local):
+def record(model, prompts):
     """Exact prefill of a batch: (recorders, tokens, input_pos, lens, last-token logits)."""
     B, lens = len(prompts), torch.tensor([len(p) for p in prompts])
     tokens = torch.zeros(B, int(lens.max()), dtype=torch.long)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p)
     input_pos = torch.arange(tokens.shape[1]).expand_as(tokens)
-    recorders = [Recorder(lens, r_local) for _ in model.layers]
+    recorders = [Recorder(lens) for _ in model.layers]
     model.setup_caches(recorders)
     # model.forward without the output projection of every prompt position
     # (B x T x V floats): only the last token's logits are needed.
@@ -118,18 +129,15 @@ def from_record(recorders):
     model's prefill calls them), take from the record what the prefill already
     computed instead of computing it again for every configuration: the
     attention output (which the build discards) and profiling's column sums,
-    which depend only on the prompt. Except the Local band, which depends on
-    the window: for another window it is NaN. Only a shortlist's recovery
-    reads the band, and FastGen runs with the window recorded (checked in
-    `replay`); a single fixed policy's recovery is a report nothing reads, so
-    its cache is exact either way (tests/test_evaluate.py compares the logits
-    with `generate.score`)."""
+    which depend only on the prompt, the rows read and the Local windows
+    (tests/test_evaluate.py compares the logits with `generate.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
-    def sums(q, k, lens, windows, *args, **kwargs):
-        colsum, bandsum = by_key[id(k)].sums
-        same = torch.equal(windows, by_key[id(k)].windows)
-        return colsum, bandsum if same else torch.full_like(bandsum, math.nan)
+    def sums(q, k, lens, ratios=(), rows=None):
+        memo, key = by_key[id(k)].sums, (tuple(ratios), rows)
+        if key not in memo:
+            memo[key] = attention_sums(q, k, lens, ratios, rows)
+        return memo[key]
 
     skip = lambda q, k, v: None  # noqa: E731
     with mock.patch.object(fastgen_cache, "attention_sums", sums), \
@@ -150,11 +158,11 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=
     with from_record(recorders):
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
-    if config.kv == "fastgen" and not all(torch.isfinite(c.recovery).all() for c in caches):
-        raise RuntimeError("FastGen profiled with a Local window other than the recorded one")
     model.setup_caches(caches)
     out, pos = [last], lens[:, None]
     for i in range(n - 1):
+        for c in caches:
+            c.reserve()
         token = follow[:, i:i + 1] if follow is not None else out[-1].argmax(-1, keepdim=True)
         out.append(model(token, pos + i)[:, 0])
     nbytes = sum(c.nbytes() for c in caches)
@@ -179,7 +187,7 @@ def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent)
     acc = {c.name: dict(kl=0.0, top1=0.0, nll=0.0, bytes=0, full_bytes=0, kept=0.0) for c in cfgs}
     for chunk in tqdm(batches(windows, batch), desc="text batches", leave=False):
         follow = torch.tensor([w[-n_new:] for w in chunk])  # (B, N)
-        rec = record(model, [w[:-n_new] for w in chunk], r_local)
+        rec = record(model, [w[:-n_new] for w in chunk])
         ref = None
         for c in tqdm(cfgs, desc="configurations", leave=False):
             logits, nbytes, kept = replay(model, rec, c, n_new, follow, flags, r_local, r_frequent)
@@ -224,7 +232,7 @@ def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent) -
     """Per config: accuracy, bytes share and each case's answer."""
     res = {c.name: dict(correct=[], answers=[], bytes=0, full_bytes=0) for c in cfgs}
     for chunk in tqdm(batches(cases, batch), desc="passkey batches", leave=False):
-        rec = record(model, [ids for ids, _ in chunk], r_local)
+        rec = record(model, [ids for ids, _ in chunk])
         for c in tqdm(cfgs, desc="configurations", leave=False):
             logits, nbytes, _ = replay(model, rec, c, n_new, None, flags, r_local, r_frequent)
             r = res[c.name]
@@ -299,7 +307,7 @@ def report(rows, meta, peer_error) -> str:
              f"{meta['runtime_s'] / 60:.1f} min"
              + (f" (+ {meta['peer_runtime_s'] / 60:.1f} min for the peer)" if meta["peer"] else "")
              + ".\n", f"    {meta['command']}\n",
-             f"Model: `{meta['model']}`. Text: {meta['windows']} windows of {meta['prompt_len']} "
+             f"Model: `{meta['model']}`. Text (`{meta.get('text', 'pydoc')}`): {meta['windows']} windows of {meta['prompt_len']} "
              f"prompt + {meta['new_tokens']} continuation tokens of real text (`textdata`, seed "
              f"{meta['seed']}), teacher-forced. Passkey: {meta['passkeys']} cases of "
              f"{meta['passkey_len']} tokens ({meta['passkey_format']} prompt), greedy "
@@ -393,9 +401,10 @@ def machine() -> str:
 def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool = False,
          windows: int = 30, prompt_len: int = 768, new_tokens: int = 64, passkeys: int = 40,
          filler: int = 40, passkey_tokens: int = 8, passkey_chat: bool = False,
-         thresholds=(0.5, 0.7, 0.8, 0.9, 0.98), budgets=(0.2, 0.35, 0.5, 0.65, 0.8),
-         batch: int = 30, r_local: float = 0.3, r_frequent: float = 0.3, seed: int = 0,
-         peer: str | None = None, peer_python: str = "/tmp/kvp/bin/python",
+         thresholds=(0.9,), budgets=(0.25, 0.5, 0.75), paper_thresholds=(0.7, 0.9, 0.98),
+         ablation: bool = False, text: str = "pydoc", batch: int = 30, r_local: float = 0.3,
+         r_frequent: float = 0.3, seed: int = 0, peer: str | None = None,
+         peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
          threads: int | None = None, command: str | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics)."""
@@ -407,7 +416,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
     from tokenizer import Tokenizer
     if quick:
         windows, prompt_len, new_tokens, passkeys, filler, passkey_tokens = 4, 40, 8, 4, 0, 4
-        thresholds, budgets, batch = (0.9, 1.0), (0.3, 0.6), 4
+        thresholds, budgets, paper_thresholds, batch = (0.9, 1.0), (0.3, 0.6), (0.9,), 4
     if ckpt is None:
         from convert_gguf import default_checkpoint
         ckpt = default_checkpoint()
@@ -419,16 +428,16 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
     V = model.args.vocab_size
     flags = token_flags(V, [i for i in tok.special_ids if i < V],
                         [i for i in tok.punctuation_ids() if i < V])
-    texts = prompts(tok, windows, prompt_len + new_tokens, prompt_len + new_tokens, seed)
+    texts = prompts(tok, windows, prompt_len + new_tokens, prompt_len + new_tokens, seed, text)
     cases = passkey_cases(tok, passkeys, filler, seed, passkey_chat)
-    longest = max(len(c[0]) for c in cases) + passkey_tokens
+    longest = max([len(c[0]) for c in cases], default=0) + passkey_tokens
     if max(prompt_len + new_tokens, longest) > model.args.max_seq_len:
         raise ValueError(f"{max(prompt_len + new_tokens, longest)} tokens exceed the model's "
                          f"context of {model.args.max_seq_len}")
-    cfgs = configs(thresholds, budgets)
+    cfgs = configs(thresholds, budgets, paper_thresholds, ablation)
     run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent)
     rows = text_quality(model, texts, new_tokens, cfgs, **run)
-    for name, r in passkey(model, tok, cases, passkey_tokens, cfgs, **run).items():
+    for name, r in (passkey(model, tok, cases, passkey_tokens, cfgs, **run) if cases else {}).items():
         rows[name].update(pk_acc=r["acc"], pk_share=r["share"], pk_answers=r["answers"])
     ours_s, peer_error = time.perf_counter() - t0, None
     if peer == "kvpress":
@@ -440,14 +449,20 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
             r.update(pk_acc=sum(answer_ok(tok, t, key) for t, (_, key) in zip(ids, cases)) / len(cases),
                      pk_answers=[tok.decode(t) for t in ids])
             rows[name] = r
+    if peer_rows:  # an earlier run's kvpress rows, on the same windows and cases
+        earlier = json.loads(Path(peer_rows).read_text())
+        got = dict(info=earlier["meta"].get("peer_info"))
+        rows |= {f"{n} ({earlier['meta']['date']})": r for n, r in earlier["rows"].items()
+                 if n.startswith("kvpress") or n == "full (kvpress)"}
     meta = dict(machine=machine(), torch=torch.__version__, date=datetime.date.today().isoformat(),
                 command=command or "python evaluate.py" + (" --quick" if quick else ""),
                 model=Path(ckpt).name, windows=windows, prompt_len=prompt_len,
                 new_tokens=new_tokens, seed=seed, passkeys=passkeys,
-                passkey_len=max(len(c[0]) for c in cases), passkey_tokens=passkey_tokens,
+                passkey_len=max([len(c[0]) for c in cases], default=0), passkey_tokens=passkey_tokens,
                 passkey_format="ChatML" if passkey_chat else "plain", r_local=r_local,
                 r_frequent=r_frequent, runtime_s=ours_s, peer_runtime_s=time.perf_counter() - t0 - ours_s,
-                peer=peer, peer_info=got.get("info") if peer else None)
+                peer=peer or peer_rows, peer_info=got.get("info") if peer or peer_rows else None,
+                text=text)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(report(rows, meta, peer_error))
@@ -473,10 +488,19 @@ def parse_args(argv=None):
     p.add_argument("--passkey-tokens", type=int, default=8, help="greedy tokens per answer (8)")
     p.add_argument("--passkey-chat", action="store_true", help="ChatML-wrap the passkey "
                    "question (default: a plain prompt, which this small model answers better)")
-    p.add_argument("--thresholds", type=float, nargs="*", default=[0.5, 0.7, 0.8, 0.9, 0.98],
-                   help="FastGen recovery thresholds T (none: no FastGen rows)")
-    p.add_argument("--budgets", type=float, nargs="*", default=[0.2, 0.35, 0.5, 0.65, 0.8],
-                   help="fixed policies' budgets: share of the prompt kept per head (none: "
+    p.add_argument("--text", default="pydoc", choices=["pydoc", "news"], help="real text: "
+                   "Python's documentation (pydoc) or news prose (news, from gensim's test data: "
+                   "pip install --no-deps gensim==4.4.0) (default pydoc)")
+    p.add_argument("--thresholds", type=float, nargs="*", default=[0.9],
+                   help="FastGen recovery thresholds T with the new defaults (none: no rows)")
+    p.add_argument("--paper-thresholds", type=float, nargs="*", default=[0.7, 0.9, 0.98],
+                   help="thresholds T of the paper's literal FastGen (none: no rows)")
+    p.add_argument("--ablation", action="store_true", help="also FastGen's budget mode with "
+                   "each change undone in turn (sum scores, all rows, sink dropped)")
+    p.add_argument("--peer-rows", help="add the kvpress rows of an earlier run's OUT.json "
+                   "(same windows and cases), labelled with its date")
+    p.add_argument("--budgets", type=float, nargs="*", default=[0.25, 0.5, 0.75],
+                   help="FastGen budgets and fixed policies' budgets: share of the prompt kept per head (none: "
                         "no fixed-policy rows)")
     p.add_argument("--batch", type=int, default=30, help="most windows / cases per batch (30)")
     p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")

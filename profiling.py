@@ -1,23 +1,26 @@
 """Prompt-time profiling: how much of each head's attention a policy recovers.
 
 The recovery of a policy is the share of the prompt's attention mass that
-falls on the tokens the policy keeps, averaged over all prompt query rows
-(and over the query heads that share a KV head). Two column sums of the
-attention matrix are all it needs, so the matrix is never held whole:
+falls on the tokens the policy keeps, averaged over the query rows read (every
+prompt row, as the paper does, or an observation window of the last rows,
+which look more like the queries decoding will bring) and over the query heads
+that share a KV head. Column sums of the attention matrix are all it needs, so
+the matrix is never held whole:
 
-    colsum[j]  = sum_i A[i, j]                 attention token j received
-    bandsum[j] = sum_i A[i, j] [i - W < j <= i] the part received from the
-                                                W queries right after it
+    colsum[j]    = sum_i A[i, j]                 attention token j received
+    band_W[j]    = sum_i A[i, j] [i - W < j <= i] the part received from the
+                                                  W queries right after it
 
-For a policy whose kept set K does not depend on the query row (Special,
-Punct, Frequent, Full), the mass on K is sum_{j in K} colsum[j]. Local is the
-one policy whose set moves with the query (row i keeps its W most recent
-tokens), so a union with Local recovers, in addition, sum_{j not in K}
-bandsum[j]. Both sums are accumulated over chunks of query rows.
+For a policy whose kept set K does not depend on the query row (everything but
+Local), the mass on K is sum_{j in K} colsum[j]. Local is the one policy whose
+set moves with the query (row i keeps its W most recent tokens), so a union
+with Local recovers, in addition, sum_{j not in K} band_W[j]. The sums are
+accumulated over chunks of query rows.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -27,61 +30,88 @@ from policies import Local, Policy, Slots, share
 CHUNK_BYTES = 64 << 20
 
 
-def attention_sums(q, k, lens, windows, chunk_bytes: int = CHUNK_BYTES):
+@dataclass
+class Profile:
+    """What profiling read of one layer's prompt attention, per segment (S of them)."""
+    colsum: torch.Tensor              # (S, T) attention each prompt token received
+    bands: dict[float, torch.Tensor]  # Local ratio -> (S, T) its band sum
+    rows: torch.Tensor                # (S,) query rows read
+    last: torch.Tensor                # (S, T) attention from the last prompt row alone
+
+
+def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> Profile:
     """Column sums of the prompt's causal attention per KV head.
 
-    q: (B, H, T, D), k: (B, K, T, D), lens: (B,) prompt lengths (rows at or
-    past a sequence's length are padding and ignored), windows: (B,) Local
-    window per sequence. Returns colsum, bandsum: (B, K, T), float32,
-    averaged over the G query heads of each KV head.
+    q: (B, H, T, D), k: (B, K, T, D), lens: (B,) prompt lengths (rows at or past
+    a sequence's length are padding and ignored); ratios: the Local ratios whose
+    band sums to take; rows: read the last `rows` rows of each prompt (None: all).
+    Sums are float32, averaged over the G query heads of each KV head; the
+    Profile's tensors are flattened to segments, (B * K, ...).
     """
     B, H, T, D = q.shape
     K = k.shape[1]
     G = H // K
     kt = (k.float() / math.sqrt(D)).repeat_interleave(G, dim=1).transpose(-1, -2)  # (B, H, D, T)
+    first = lens - (lens if rows is None else lens.clamp(max=rows))  # (B,) first row read
+    windows = {r: share(r, lens) for r in ratios}
     colsum = q.new_zeros(B, H, T, dtype=torch.float32)
-    bandsum = torch.zeros_like(colsum)
+    bands = {r: torch.zeros_like(colsum) for r in ratios}
     cols = torch.arange(T, device=q.device)
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
-    for i0 in range(0, T, rows_per_chunk):
-        rows = cols[i0:i0 + rows_per_chunk]
+    for i0 in range(int(first.min()), T, rows_per_chunk):
+        r = cols[i0:i0 + rows_per_chunk]
         # In place where possible: these (B, H, c, T) tensors are the cost of profiling.
-        scores = q[:, :, rows].float() @ kt  # (B, H, c, T)
-        scores.masked_fill_(cols[None, :] > rows[:, None], -float("inf"))
+        scores = q[:, :, r].float() @ kt  # (B, H, c, T)
+        scores.masked_fill_(cols[None, :] > r[:, None], -float("inf"))
         attn = scores.softmax(-1)
-        attn.mul_((rows[None, :] < lens[:, None])[:, None, :, None])  # drop padding rows
+        read = (r[None, :] >= first[:, None]) & (r[None, :] < lens[:, None])  # (B, c)
+        attn.mul_(read[:, None, :, None])
         colsum += attn.sum(2)
-        outside = cols[None, None, :] <= rows[None, :, None] - windows[:, None, None]  # (B, c, T)
-        bandsum += attn.masked_fill_(outside[:, None], 0).sum(2)
-    return colsum.view(B, K, G, T).mean(2), bandsum.view(B, K, G, T).mean(2)
+        for ratio, w in windows.items():
+            inside = cols[None, None, :] > r[None, :, None] - w[:, None, None]  # (B, c, T)
+            bands[ratio] += (attn * inside[:, None]).sum(2)
+    # The last row again, alone: what TOVA ranks the prompt by.
+    q_last = q[torch.arange(B), :, lens - 1][:, :, None].float()  # (B, H, 1, D)
+    last = (q_last @ kt).masked_fill(cols >= lens[:, None, None, None], -float("inf"))
+    last = last.softmax(-1)[:, :, 0]  # (B, H, T)
+    per_seg = lambda t: t.view(B, K, G, T).mean(2).reshape(B * K, T)  # noqa: E731
+    return Profile(per_seg(colsum), {r: per_seg(b) for r, b in bands.items()},
+                   (lens - first).repeat_interleave(K).float(), per_seg(last))
 
 
-def recovery(policy: Policy, prompt: Slots, colsum, bandsum) -> torch.Tensor:
-    """(N,) share of attention recovered by `policy` on N segments.
+def local_ratios(policies: list[Policy]) -> list[float]:
+    """Every Local ratio used by a list of policies."""
+    return sorted({m.r for p in policies for m in p.members() if isinstance(m, Local)})
 
-    prompt: the segments' prompt tokens; colsum, bandsum: (N, T) from
-    `attention_sums`, the band taken with this policy's Local window.
+
+def recovery(policy: Policy, prompt: Slots, prof: Profile, sink: bool = True) -> torch.Tensor:
+    """(S,) share of the attention read that `policy` recovers on S segments.
+
+    prompt: the segments' prompt tokens, one per column in position order.
+    With `sink=False` the first token's attention counts neither as recovered
+    nor as needed: the attention sink's mass carries no content, and a head
+    that puts most of its attention there would otherwise "recover" it while
+    dropping everything it reads. (Every shortlist policy keeps that token.)
     """
-    fixed = [m for m in policy.members() if not isinstance(m, Local)]
+    members = policy.members()
     kept = torch.zeros_like(prompt.valid)
-    for m in fixed:
-        kept |= m.keep(prompt)
-    mass = (colsum * kept).sum(-1)
-    if len(fixed) < len(policy.members()):
-        mass = mass + (bandsum * ~kept).sum(-1)
-    return mass / prompt.prompt_len[:, 0]
-
-
-def local_ratio(policies: list[Policy]) -> float:
-    """The Local ratio used by a list of policies (they must agree on one)."""
-    ratios = {m.r for p in policies for m in p.members() if isinstance(m, Local)}
-    if len(ratios) > 1:
-        raise ValueError(f"policies disagree on the Local ratio: {sorted(ratios)}")
-    return ratios.pop() if ratios else 0.0
+    for m in members:
+        if not isinstance(m, Local):
+            kept |= m.keep(prompt)
+    got = prof.colsum * kept
+    ratios = [m.r for m in members if isinstance(m, Local)]
+    if ratios:
+        got = got + prof.bands[max(ratios)] * ~kept
+    total = prof.rows
+    if not sink:
+        got, total = got[:, 1:], total - prof.colsum[:, 0]
+    # A head that reads nothing but the sink loses nothing, whatever it keeps.
+    return torch.where(total > 1e-4 * prof.rows, got.sum(-1) / total, 1.0)
 
 
 def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:
-    """(N,) index of the first policy of the shortlist whose recovery reaches
+    """(S,) index of the first policy of the shortlist whose recovery reaches
     the threshold; the last (Full) when none does. `threshold >= 1` means
     compress nothing, whatever rounding says."""
     n = recoveries.shape[1]
@@ -92,5 +122,27 @@ def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:
     return ok.int().argmax(dim=1)
 
 
-def window_sizes(r_local: float, lens: torch.Tensor) -> torch.Tensor:
-    return share(r_local, lens) if r_local > 0 else torch.zeros_like(lens)
+def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int) -> torch.Tensor:
+    """(S,) one menu item per segment, maximizing the sum of `values` (S, M)
+    with the sum of integer `costs` (S, M) at most `budget`: an exact knapsack
+    by dynamic programming over the budget. When even the cheapest items do
+    not fit, the cheapest."""
+    S, M = values.shape
+    cost = costs.tolist()
+    if sum(map(min, cost)) > budget:
+        return costs.argmin(1)
+    best = torch.zeros(budget + 1, dtype=torch.float64)  # best[j]: the best value costing <= j
+    picks = []
+    for s in range(S):
+        options = torch.full((M, budget + 1), -math.inf, dtype=torch.float64)
+        for m, c in enumerate(cost[s]):
+            if c <= budget:
+                options[m, c:] = best[:budget + 1 - c] + float(values[s, m])
+        best, pick = options.max(0)
+        picks.append(pick)
+    choice, j = [], budget
+    for s in reversed(range(S)):
+        m = int(picks[s][j])
+        choice.append(m)
+        j -= cost[s][m]
+    return torch.tensor(choice[::-1])

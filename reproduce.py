@@ -51,7 +51,10 @@ def main(argv=None) -> int:
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of the kvpress environment (default /tmp/kvp/bin/python)")
     args = p.parse_args(argv)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror}")
     todo, common = steps(args)
     t_start = time.perf_counter()
     for i, (name, cmd) in enumerate(todo, 1):

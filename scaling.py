@@ -191,7 +191,8 @@ def parse_args(argv=None):
                                 "cache and HF transformers as the prompt and the batch grow, "
                                 "and FastGen's profiling share. Writes a markdown table, JSON "
                                 "and a PNG.")
-    p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
+                   "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                    help="prompt lengths of the first sweep, batch 1 (default 512 1024 2048 4096)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8],
@@ -221,18 +222,17 @@ def parse_args(argv=None):
             or min(args.lengths + args.batches + [args.batch_len, args.threads]) < 1):
         p.error("need --new-tokens and --profile-tokens >= 2, --runs >= 1, positive sizes "
                 "and threads")
-    if args.ckpt is None:
-        from convert_gguf import default_checkpoint
-        args.ckpt = default_checkpoint()
+    from convert_gguf import checkpoint_folder
+    args.ckpt = checkpoint_folder(args.ckpt)
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the hour of measuring, not after
     t0 = time.perf_counter()
     res = measure(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     res["runtime_s"], res["png"] = time.perf_counter() - t0, str(out.with_suffix(".png"))
     plot(res, out.with_suffix(".png"))
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))

@@ -1,27 +1,48 @@
-"""Real English text that ships offline with Python, for benchmarks and studies.
+"""Real English text that ships offline, for benchmarks and studies.
 
-The text is the Python documentation's topic pages that `pydoc` shows for
-`help("if")` and friends: the `pydoc_data.topics.topics` dict of the standard
-library (about 80 topics, ~460k characters). It is part of the Python
-documentation, Copyright (c) Python Software Foundation, distributed under
-the PSF License Agreement (https://docs.python.org/3/license.html).
+`pydoc` (the default): the Python documentation's topic pages that `pydoc`
+shows for `help("if")` and friends, the `pydoc_data.topics.topics` dict of the
+standard library (about 80 topics, ~460k characters). Part of the Python
+documentation, Copyright (c) Python Software Foundation, PSF License Agreement.
+
+`news`: prose of another kind, 300 news articles of the Lee background corpus
+(Lee, Pincombe and Welsh, 2005; ~360k characters), which gensim ships as test
+data (`pip install --no-deps gensim==4.4.0`; gensim itself is never imported).
 
     from textdata import prompts
-    ids = prompts(tok, n=30, min_tokens=512, max_tokens=2048, seed=0)
+    ids = prompts(tok, n=30, min_tokens=512, max_tokens=2048, seed=0, source="news")
 """
 from __future__ import annotations
 
 import random
 
 
-def documents(min_chars: int = 1000) -> list[tuple[str, str]]:
-    """(name, text) of every topic with at least `min_chars` characters, sorted by name."""
-    from pydoc_data.topics import topics
-    return sorted((name, text.strip()) for name, text in topics.items()
+SOURCES = ("pydoc", "news")
+
+
+def documents(min_chars: int = 1000, source: str = "pydoc") -> list[tuple[str, str]]:
+    """(name, text) of every document with at least `min_chars` characters, sorted by name."""
+    if source == "news":
+        import importlib.util
+        from pathlib import Path
+        spec = importlib.util.find_spec("gensim")
+        path = spec and Path(spec.submodule_search_locations[0], "test", "test_data",
+                             "lee_background.cor")
+        if not path or not path.is_file():
+            raise FileNotFoundError("the news text ships in gensim's test data; install it with "
+                                    "pip install --no-deps gensim==4.4.0")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        texts = {f"lee-{i:03d}": line.strip() for i, line in enumerate(lines)}
+    elif source == "pydoc":
+        from pydoc_data.topics import topics as texts
+    else:
+        raise ValueError(f"unknown text source {source!r}; one of {', '.join(SOURCES)}")
+    return sorted((name, text.strip()) for name, text in texts.items()
                   if len(text.strip()) >= min_chars)
 
 
-def prompts(tok, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+def prompts(tok, n: int, min_tokens: int, max_tokens: int, seed: int = 0,
+            source: str = "pydoc") -> list[list[int]]:
     """`n` prompts of token ids, their lengths spread evenly from `min_tokens` to
     `max_tokens`, cut from the topics in an order shuffled by `seed`.
 
@@ -32,7 +53,7 @@ def prompts(tok, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> lis
     """
     if not 1 <= min_tokens <= max_tokens:
         raise ValueError(f"need 1 <= min_tokens <= max_tokens (got {min_tokens}, {max_tokens})")
-    docs = [text for _, text in documents()]
+    docs = [text for _, text in documents(source=source)]
     random.Random(seed).shuffle(docs)
     bos = tok.encode("", special=True)
     sep = tok.encode("\n\n", special=False)

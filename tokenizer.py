@@ -110,8 +110,9 @@ class Tokenizer:
         return [i for i, text in enumerate(self.token_texts())
                 if i not in special and _is_punctuation(text)]
 
-    def apply_chat(self, prompt: str) -> str:
-        """The prompt as one user turn, rendered by the checkpoint's chat template."""
+    def apply_chat(self, prompt: str | list[dict]) -> str:
+        """The prompt as one user turn (or a conversation: a list of {"role", "content"}
+        messages), rendered by the checkpoint's chat template, ready for the assistant."""
         if not self.chat_template:
             raise TokenizerError("this checkpoint has no chat template (tokenizer_config.json "
                                  "has no chat_template); run without --chat")
@@ -123,7 +124,8 @@ class Tokenizer:
 
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+            messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
+            add_generation_prompt=True,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 

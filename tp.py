@@ -221,6 +221,7 @@ def gather_stats(gen, batch: int):
     gen.kept_tokens = sum(p.kept_tokens for p in parts)
     gen.seen_tokens = sum(p.seen_tokens for p in parts)
     gen.profile_s = max(p.profile_s for p in parts)  # the ranks profile at the same time
+    gen.growths = sum(p.growths for p in parts)
 
     def interleave(per_rank):  # per rank: B * K/N segments, sequence-major
         k = len(per_rank[0]) // batch

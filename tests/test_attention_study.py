@@ -19,6 +19,7 @@ def test_quick_study(tiny_ckpt, tmp_path):
         assert abs(float(s["mix"].sum(1).mean()) - 1) < 1e-6
     assert ((res["per_step"] >= 0) & (res["per_step"] <= 1 + 1e-5)).all()
     assert ((res["prompt_rec"] >= 0) & (res["prompt_rec"] <= 1 + 1e-5)).all()
+    assert "Which profiling predicts decoding" in (tmp_path / "attention_study.md").read_text()
     data = json.loads((tmp_path / "attention_study.json").read_text())
     assert data["checks_ok"] and len(data["prompt_lens"]) == 3
 
@@ -28,7 +29,12 @@ def test_decode_check_full_cache_recovers_everything(tiny_ckpt):
     import torch
     from model import load_model
     model = load_model(tiny_ckpt)
-    rec, prompt_rec, choice = attention_study.decode_check(model, list(range(3, 40)), None, 1.0, (1, 4))
-    assert rec.shape == (2, model.args.n_layers, model.args.n_kv_heads)
+    rec, prompt_rec, variants, choice = attention_study.decode_check(model, list(range(3, 40)),
+                                                                      None, 1.0, (1, 4))
+    # With and without the sink's mass, at both steps.
+    assert rec.shape == (2, 2, model.args.n_layers, model.args.n_kv_heads)
     assert torch.allclose(rec, torch.ones_like(rec), atol=1e-5)
+    # Every profiling variant says Full recovers everything.
+    assert variants.shape == (len(attention_study.VARIANTS), *choice.shape)
+    assert torch.allclose(variants, torch.ones_like(variants), atol=1e-5)
     assert (choice == len(attention_study.shortlist()) - 1).all()

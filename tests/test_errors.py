@@ -115,3 +115,60 @@ def test_study_scripts_name_a_missing_checkpoint_in_one_line(script, tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"error: checkpoint folder {tmp_path / 'missing'} "
                                              "does not exist"]
+
+
+@pytest.mark.parametrize("make, args, status, words", [
+    (lambda d: (d / "p.txt").write_bytes(b"\xff\xfe not utf-8"), ["--prompt-file", "{d}/p.txt"], 2,
+     "is not UTF-8 text"),
+    (lambda d: (d / "folder").mkdir(), ["--prompt-file", "{d}/folder"], 2, "Is a directory"),
+    (lambda d: None, ["--prompt-file", "{d}/missing.txt"], 2, "No such file"),
+    (lambda d: None, ["--prompt", "hi", "--save-plan", "{d}/no/such/plan.json"], 2,
+     "its folder does not exist"),
+    (lambda d: None, ["--prompt", "hi", "--save-plan", "{d}"], 2, "is a folder"),
+    (lambda d: None, ["--prompt", "hi", "--seed", "-1"], 2, "--seed"),
+    (lambda d: (d / "m.gguf").write_text("hello"), ["--prompt", "hi", "--ckpt", "{d}/m.gguf"], 1,
+     "not a GGUF file"),
+    (lambda d: (d / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05"), ["--prompt", "hi", "--ckpt",
+     "{d}/cut.gguf"], 1, "not a readable GGUF file"),
+    (lambda d: None, ["--interactive", "--prompt", "hi"], 2, "drop --prompt"),
+])
+def test_user_paths_and_sizes_are_one_line(tiny_ckpt, tmp_path, capsys, monkeypatch, make, args, status, words):
+    monkeypatch.setenv("FASTGEN_CACHE", str(tmp_path / "cache"))
+    make(tmp_path)
+    args = [a.replace("{d}", str(tmp_path)) for a in args]
+    ckpt = [] if "--ckpt" in args else ["--ckpt", str(tiny_ckpt)]
+    assert cli(ckpt + args + ["--max-new-tokens", "2"]) == status
+    err = capsys.readouterr().err
+    # (a GGUF file is announced on a line of its own before it is converted)
+    assert words in err.splitlines()[-1] and err.count("\n") <= 2 and "Traceback" not in err
+
+
+def test_read_only_cache_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    from test_convert_gguf import write_tiny_gguf
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("FASTGEN_CACHE", str(tmp_path / "cache"))
+    assert cli(["--ckpt", str(tmp_path / "tiny.gguf"), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "set FASTGEN_CACHE to a writable folder" in err and err.count("\n") == 2  # + "converting"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench.py", "--quick", "--out", "{d}/no/such/report.md"], "give a file in an existing folder"),
+    (["bench.py", "--quick", "--prompt-file", "{d}/bad.txt"], "is not UTF-8 text"),
+    (["scaling.py", "--quick", "--out", "{d}/file.txt/scaling"], "file.txt"),
+    (["attention_study.py", "--quick", "--out", "{d}/file.txt/study"], "file.txt"),
+    (["reproduce.py", "--quick", "--out", "{d}/file.txt/all"], "Not a directory"),
+])
+def test_scripts_answer_bad_paths_in_one_line(tiny_ckpt, tmp_path, argv, words):
+    import subprocess
+    import sys
+    from pathlib import Path
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    (tmp_path / "file.txt").write_text("x")
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / argv[0]), *argv[1:],
+                        "--ckpt", str(tiny_ckpt)], capture_output=True, text=True, timeout=300)
+    # One line of error, after argparse's usage lines where argparse reports it.
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert words in r.stderr.strip().splitlines()[-1], r.stderr

@@ -32,8 +32,11 @@ def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
     assert "| fastgen T=0.9 |" in md and "Headline" in md
 
 
-@pytest.mark.parametrize("kv, options", [("fastgen", {"recovery": 0.9}), ("h2o", {"kv_budget": 0.4}),
-                                         ("sink", {"kv_budget": 0.3}), ("full", {})])
+@pytest.mark.parametrize("kv, options", [("fastgen", {"recovery": 0.9}),
+                                         ("fastgen", {"recovery": 0.9, "paper": True}),
+                                         ("fastgen", {"kv_budget": 0.4}),
+                                         ("h2o", {"kv_budget": 0.4}), ("snapkv", {"kv_budget": 0.5}),
+                                         ("tova", {"kv_budget": 0.3}), ("full", {})])
 def test_replay_equals_score(tiny_ckpt, kv, options):
     """Building the caches from a recorded prefill, with profiling shared,
     decodes exactly what generate.score decodes."""
@@ -43,7 +46,7 @@ def test_replay_equals_score(tiny_ckpt, kv, options):
     prompts = [torch.randint(3, 300, (n,)).tolist() for n in (40, 33, 40)]
     follow = torch.randint(3, 300, (3, 6))
     want = generate.score(model, prompts, follow.tolist(), kv=kv, token_flags=flags, **options)
-    rec = evaluate.record(model, prompts, r_local=0.3)
+    rec = evaluate.record(model, prompts)
     got, nbytes, kept = evaluate.replay(model, rec, evaluate.Config(kv, kv, options), 6, follow, flags)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert nbytes > 0 and 0 < kept <= 1

@@ -78,3 +78,17 @@ def test_batch_of_different_lengths_equals_each_alone():
         torch.testing.assert_close(out[b, n - 1], refs[b][n - 1], atol=1e-5, rtol=1e-5)
         for i in range(4):
             torch.testing.assert_close(dec[i][b], refs[b][n + i], atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_on_top_of_the_cache_equal_one_forward():
+    """A chat's next turn: chunks of several tokens (and single ones) written on top of what the
+    cache holds, each sequence of the batch at its own positions."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny()).eval()
+    tokens = torch.randint(0, 256, (2, 70))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(70).expand(2, 70))
+        attach_dense(model, 2, 100)
+        parts = [model(tokens[:, a:b], torch.arange(a, b).expand(2, b - a))
+                 for a, b in [(0, 30), (30, 31), (31, 64), (64, 70)]]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)

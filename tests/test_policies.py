@@ -1,12 +1,11 @@
-"""Policies keep exactly their sets; unions, bounds, flags and the shortlist."""
+"""Policies keep exactly their sets; unions, flags, the shortlist and the menu."""
 import math
-import random
 
 import pytest
 import torch
 
-from policies import (PUNCT, SPECIAL, Frequent, Full, Local, Punct, Sink, Slots, Special, Union,
-                      baseline, shortlist, token_flags)
+from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV,
+                      Special, Union, baseline, menu, shortlist, token_flags)
 from tokenizer import _is_punctuation
 
 
@@ -142,60 +141,54 @@ def test_union_keeps_what_any_member_keeps():
                 assert not any(m.keep(s)[0, j] for m in members[:n])
 
 
-# --- Bounds -------------------------------------------------------------------
+# --- Mean scores, TOVA, SnapKV ------------------------------------------------
 
-def random_prompt(rng, n, C):
-    """n segments with prompts of random lengths, tokens in random slot order."""
-    lens = [rng.randint(1, C) for _ in range(n)]
-    pos = torch.full((n, C), -1)
-    for i, L in enumerate(lens):
-        cols = rng.sample(range(C), L)
-        pos[i, cols] = torch.arange(L)
-    flags = torch.tensor([[rng.choice([0, 0, SPECIAL, PUNCT, SPECIAL | PUNCT]) for _ in range(C)]
-                          for _ in range(n)], dtype=torch.uint8)
-    score = torch.rand(n, C, generator=torch.Generator().manual_seed(rng.randint(0, 99)))
-    lens = torch.tensor(lens)[:, None]
-    return Slots(pos, score, flags, lens.clone(), lens)
+def test_mean_score_divides_by_the_queries_that_saw_the_token():
+    # seen 10: token 9 was seen by 1 query, token 0 by 10; with an observation
+    # window from row 6, tokens before it were seen by 4.
+    s = slots([0, 5, 8, 9], score=[4.0, 2.0, 1.0, 0.5], seen=10)
+    assert s.mean_score[0].tolist() == pytest.approx([0.4, 0.4, 0.5, 0.5])
+    s.first_query = torch.tensor([[6]])
+    assert s.mean_score[0].tolist() == pytest.approx([1.0, 0.5, 0.5, 0.5])
 
 
-def grown(rng, prompt, max_seen):
-    """A later state of the same segments: a sequence that has seen up to
-    `max_seen` tokens holds any subset of them (the prompt's with their flags)."""
-    n, C = prompt.pos.shape
-    W = int(max_seen.max())
-    pos = torch.full((n, W), -1)
-    flags = torch.zeros(n, W, dtype=torch.uint8)
-    seen = torch.zeros(n, 1, dtype=torch.long)
-    for i in range(n):
-        L = int(prompt.prompt_len[i])
-        seen[i] = rng.randint(L, int(max_seen[i]))
-        prompt_flags = {int(p): int(f) for p, f in zip(prompt.pos[i], prompt.flags[i]) if p >= 0}
-        held = sorted(rng.sample(range(int(seen[i])), rng.randint(0, int(seen[i]))))
-        cols = rng.sample(range(W), len(held))
-        for c, p in zip(cols, held):
-            pos[i, c] = p
-            flags[i, c] = prompt_flags[p] if p < L else rng.choice([0, SPECIAL, PUNCT])
-    score = torch.rand(n, W, generator=torch.Generator().manual_seed(rng.randint(0, 99)))
-    return Slots(pos, score, flags, seen, prompt.prompt_len)
+def test_frequent_by_mean_ranks_late_tokens_fairly_and_admits_the_newest():
+    # Budget ceil(0.3 * 10) = 3. By sum, the old tokens win; by mean, token 7
+    # (2.4 over 3 queries) beats token 1 (2.7 over 9), and token 9, the newest, enters.
+    s = slots([0, 1, 2, 7, 9], score=[5.0, 2.7, 2.5, 2.4, 0.01], seen=10)
+    assert kept(Frequent(0.3), s) == {0, 1, 2}
+    assert kept(Frequent(0.3, "mean"), s) == {0, 7, 9}
+    assert repr(Frequent(0.3, "mean")) == "Frequent(0.3, mean)" and repr(Frequent(0.3)) == "Frequent(0.3)"
+    with pytest.raises(ValueError, match="sum' or 'mean"):
+        Frequent(0.3, "max")
 
 
-BOUNDED = [Special(), Punct(), Local(0.3), Local(0.05), Frequent(0.3), Frequent(0.15), Sink(4),
-           Full(), *shortlist(), *shortlist(0.1, 0.5), baseline("sink", 0.4),
-           baseline("h2o", 0.5), baseline("local", 0.2)]
+def test_tova_keeps_what_the_latest_query_attends_to():
+    # Budget ceil(0.3 * prompt_len 10) = 3, whatever has been seen since.
+    s = slots([0, 1, 2, 7, 9, 12], score=[9.0] * 6, seen=13, prompt_len=10)
+    s.last = torch.tensor([[0.3, 0.01, 0.2, 0.05, 0.04, 0.4]])
+    assert kept(TOVA(0.3), s) == {0, 2, 12}
 
 
-@pytest.mark.parametrize("policy", BOUNDED, ids=repr)
-def test_bound_is_an_upper_bound_of_what_is_kept(policy):
-    rng = random.Random(repr(policy))
-    for _ in range(30):
-        prompt = random_prompt(rng, n=4, C=12)
-        max_seen = prompt.prompt_len[:, 0] + torch.tensor([rng.randint(0, 10) for _ in range(4)])
-        bound = policy.bound(prompt, max_seen)
-        assert bound.shape == (4,)
-        assert (policy.keep(prompt).sum(1) <= bound).all()
-        for _ in range(5):
-            later = grown(rng, prompt, max_seen)
-            assert (policy.keep(later).sum(1) <= bound).all(), (later, bound)
+def test_snapkv_keeps_the_window_and_the_pooled_top_then_every_new_token():
+    # Prompt of 12, window 3 (positions 9-11), budget ceil(0.5 * 12) - 3 = 3 of
+    # positions 0-8 by the score max-pooled over 3 neighbours: 4 peaks, so 3, 4, 5
+    # tie at 1.0 with 3 winning the tie by slot order, then 0 and 1 (0.6 from 0).
+    score = [0.6, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.1]
+    s = slots(list(range(12)), score=score, seen=12)
+    assert kept(SnapKV(0.5, window=3, kernel=3), s) == {3, 4, 5, 9, 10, 11}
+    # While decoding nothing of the compressed prompt is let go and new tokens stay.
+    later = slots([3, 4, 5, 9, 10, 11, 12, 13], score=[0.0] * 8, seen=14, prompt_len=12)
+    assert kept(SnapKV(0.5, window=3, kernel=3), later) == {3, 4, 5, 9, 10, 11, 12, 13}
+
+
+def test_menu_holds_the_shortlist_and_every_baseline_shape():
+    m = menu(0.3, 0.3, "mean", ratios=(0.2, 0.5))
+    assert m[:5] == shortlist(0.3, 0.3, "mean")
+    for kind in ("local", "sink"):
+        assert baseline(kind, 0.2) in m and baseline(kind, 0.5) in m
+    assert baseline("h2o", 0.5, "mean") in m
+    assert len(m) == len(set(m))
 
 
 # --- Flags, shortlist, baselines ------------------------------------------------
@@ -220,8 +213,10 @@ def test_baselines():
     assert baseline("local", 0.5) == Local(0.5)
     assert baseline("sink", 0.5) == Sink(4) | Local(0.5)
     assert baseline("h2o", 0.5) == Frequent(0.25) | Local(0.25)
+    assert baseline("tova", 0.5) == TOVA(0.5)
+    assert baseline("snapkv", 0.5) == SnapKV(0.5)
     with pytest.raises(ValueError, match="unknown baseline"):
-        baseline("snapkv", 0.5)
+        baseline("pyramid", 0.5)
 
 
 # --- Punctuation detection -------------------------------------------------------

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from cache import fastgen_caches
 from model import ModelArgs, Transformer
-from policies import (PUNCT, SPECIAL, Frequent, Full, Local, Punct, Sink, Special, shortlist,
-                      token_flags)
+from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
+                      shortlist, token_flags)
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, drive
 
@@ -23,22 +23,30 @@ SETTINGS = settings(max_examples=60, deadline=None,
 
 @st.composite
 def policy_lists(draw):
-    """A shortlist, a single fixed policy (the baselines), or a random mix; one
-    Local ratio per list, as profiling requires."""
+    """A shortlist, a single fixed policy (the baselines), or a random mix, under
+    a threshold or a budget; profiling over all rows or a window, with or
+    without the sink's mass. Returns (policies, options for FastGenCache)."""
     r_local = draw(st.sampled_from([0.1, 0.15, 0.2, 0.3, 0.5]))
     r_frequent = draw(st.sampled_from([0.1, 0.2, 0.3, 0.5]))
+    by = draw(st.sampled_from(["sum", "mean"]))
     sink = draw(st.integers(1, 4))
-    pool = [Special(), Punct(), Local(r_local), Frequent(r_frequent), Sink(sink), Full(),
-            Sink(sink) | Local(r_local), Frequent(r_frequent) | Local(r_local),
-            *shortlist(r_local, r_frequent)[1:4]]
+    pool = [Special(), Punct(), Local(r_local), Frequent(r_frequent, by), Sink(sink), Full(),
+            Sink(sink) | Local(r_local), Frequent(r_frequent, by) | Local(r_local),
+            TOVA(r_frequent), SnapKV(r_local + 0.2, window=sink, kernel=3), Local(r_frequent),
+            *shortlist(r_local, r_frequent, by)[1:4]]
+    options = dict(rows=draw(st.sampled_from([None, 1, 3, 8])), sink=draw(st.booleans()))
     kind = draw(st.sampled_from(["shortlist", "fixed", "mix"]))
     if kind == "shortlist":
-        policies = shortlist(r_local, r_frequent)
+        policies = shortlist(r_local, r_frequent, by)
     elif kind == "fixed":
-        return [draw(st.sampled_from(pool))], 0.0
+        return [draw(st.sampled_from(pool))], options
     else:
         policies = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=5, unique=True))
-    return policies, draw(st.sampled_from([0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0]))
+    if draw(st.booleans()):
+        options["budget"] = draw(st.sampled_from([0.1, 0.3, 0.5, 0.8]))
+    else:
+        options["threshold"] = draw(st.sampled_from([0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0]))
+    return policies, options
 
 
 @st.composite
@@ -53,8 +61,8 @@ def runs(draw):
     token = st.sampled_from([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7])
     stream = torch.tensor(draw(st.lists(st.lists(token, min_size=width, max_size=width),
                                         min_size=B, max_size=B)))
-    policies, threshold = draw(policy_lists())
-    return dict(policies=policies, threshold=threshold, stream=stream, lens=lens,
+    policies, options = draw(policy_lists())
+    return dict(policies=policies, options=options, stream=stream, lens=lens,
                 n_heads=n_heads, n_kv_heads=n_kv_heads, max_new_tokens=max_new_tokens,
                 seed=draw(st.integers(0, 2**16)), scale=draw(st.sampled_from([0.5, 1.5, 3.0])))
 
@@ -62,14 +70,16 @@ def runs(draw):
 @SETTINGS
 @given(runs())
 def test_cache_agrees_with_reference_at_every_step(run):
-    checked = drive(run["policies"], run["threshold"], run["stream"], run["lens"], run["n_heads"],
-                    run["n_kv_heads"], run["max_new_tokens"], FLAGS, seed=run["seed"],
-                    scale=run["scale"])
+    options = dict(run["options"])
+    checked = drive(run["policies"], options.pop("threshold", 1.0), run["stream"], run["lens"],
+                    run["n_heads"], run["n_kv_heads"], run["max_new_tokens"], FLAGS,
+                    seed=run["seed"], scale=run["scale"], **options)
     assert checked.steps == run["max_new_tokens"] - 1
     cache = checked.cache
     assert cache.kept() == sum(map(len, checked.ref.kept.values()))
     assert cache.nbytes() == sum(t.nbytes for b in cache.buckets
-                                 for t in (b.k, b.v, b.pos, b.score, b.flags, b.seg, b.prompt_len))
+                                 for t in (b.k, b.v, b.pos, b.score, b.flags, b.seg, b.prompt_len,
+                                                    b.first_query))
 
 
 @settings(SETTINGS, max_examples=15)
@@ -78,11 +88,11 @@ def test_cache_agrees_with_reference_at_every_step(run):
        max_new_tokens=st.integers(2, 24), policies=policy_lists(), seed=st.integers(0, 2**16))
 def test_model_caches_agree_with_reference(n_kv_heads, lens, max_new_tokens, policies, seed):
     """Through the tiny model: real projections, positions and token ids."""
-    policies, threshold = policies
+    policies, options = policies
     torch.manual_seed(seed)
     model = Transformer(ModelArgs.tiny(n_kv_heads=n_kv_heads, vocab_size=8)).eval()
-    caches = [CheckedCache(c) for c in fastgen_caches(model, policies, threshold, lens,
-                                                       max_new_tokens, FLAGS)]
+    caches = [CheckedCache(c) for c in fastgen_caches(model, policies, lens,
+                                                       max_new_tokens, FLAGS, **options)]
     model.setup_caches(caches)
     B, T = len(lens), max(lens)
     tokens = torch.randint(0, 8, (B, T))

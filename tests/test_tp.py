@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello, world! How are you?", "The quick brown fox jumps over the lazy dog. Once"]
 FOLLOW = [[5, 17, 42, 8, 99, 3], [7, 7, 1, 250, 64, 12]]  # teacher-forced continuations
 NEW = 10
+KINDS = ("full", "fastgen", "h2o", "snapkv")
 
 
 def torchrun(n: int, *args, timeout=120):
@@ -69,7 +70,7 @@ def work(ckpt):
     prompts = [Tokenizer(ckpt).encode(p) for p in PROMPTS]
     result = {"logits": score(model, prompts, FOLLOW, kv="full"),
               "logits_fastgen": score(model, prompts, FOLLOW, kv="fastgen", recovery=0.9)}
-    for kv in ("full", "fastgen", "h2o"):
+    for kv in KINDS:
         gen = main(PROMPTS, ckpt=str(ckpt), max_new_tokens=NEW, kv=kv, recovery=0.9)
         result[kv] = {k: getattr(gen, k) for k in
                       ("tokens", "plan", "recovery", "kv_bytes", "kv_bytes_per_rank",
@@ -88,7 +89,7 @@ def test_tensor_parallel_equals_one_process(ckpts, tmp_path, kv_heads, n):
     got, want = torch.load(out), work(ckpts[kv_heads])
     for key in ("logits", "logits_fastgen"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
-    for kv in ("full", "fastgen", "h2o"):
+    for kv in KINDS:
         g, w = got[kv], want[kv]
         assert g["tokens"] == w["tokens"], kv
         assert g["plan"] == w["plan"], kv

@@ -1,0 +1,238 @@
+"""A chat whose KV cache lives across turns: `python generate.py --interactive`.
+
+Each user turn is rendered with the checkpoint's chat template, and only the text the template
+adds after what the cache already holds is encoded and fed, so a conversation is never encoded
+twice. The full cache takes a turn in chunks of CHUNK tokens, each attending over everything
+before it. A compressed cache takes a turn one token at a time through its decode step, which
+scores, keeps and evicts each token exactly as if the model had generated it: exact for the
+head's policy, and slower than a chunk. Each head keeps the policy that profiling gave it on the
+first turn; a later turn is not profiled again (see the README).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from generate import (CHAT_ROOM, StreamPrinter, UsageError, check_args, compiled_decode, decode,
+                      decode_one_token, dense_kv_bytes, flags_of, load, make_caches, sample)
+from tokenizer import TokenizerError
+
+CHUNK = 512  # tokens per call when the full cache takes a turn: bounds the attention matrix;
+# also the step by which the full cache grows.
+
+
+class ConversationFull(Exception):
+    """A turn does not fit in what is left of the cache; the chat can go on with a shorter one."""
+
+
+@dataclass
+class Turn:
+    """One user turn, its answer, and what the cache holds afterwards."""
+    fed: list[int]          # tokens this turn put into the cache: the end of the last answer, the user turn
+    tokens: list[int]       # the answer's ids (EOS included if produced)
+    text: str
+    prefill_s: float        # feeding `fed`
+    decode_s: float
+    decode_steps: int
+    cache_len: int          # conversation tokens the cache has seen
+    kept_tokens: int        # (layer, KV head, token) triples the cache holds
+    seen_tokens: int        # the same count for a full cache: layers x KV heads x cache_len
+    kv_bytes: int           # allocated by the cache
+    full_kv_bytes: int      # a full cache holding cache_len tokens
+    compile_s: float = 0.0
+    interrupted: bool = False  # Ctrl-C stopped the answer
+    capped: bool = False       # the answer was cut short to stay within the cache's room
+    plan: list[list[str]] = field(default_factory=list)  # first turn of a compressed cache only
+
+    def summary(self, number: int) -> str:
+        rate = len(self.fed) / max(self.prefill_s, 1e-9)
+        allocated = f"KV allocated {self.kv_bytes / 2**20:.2f} MiB"
+        return (f"[turn {number}] fed {len(self.fed)} tokens in {self.prefill_s:.2f} s ({rate:.1f} "
+                f"tok/s), answered {len(self.tokens)} in {self.decode_s:.2f} s"
+                + (" (cut short: the cache is nearly full)" if self.capped else "")
+                + f"; the cache has seen {self.cache_len} tokens and holds "
+                f"{self.kept_tokens / self.seen_tokens:.1%} of them; {allocated} vs "
+                f"{self.full_kv_bytes / 2**20:.2f} MiB for a full cache of {self.cache_len} tokens")
+
+
+class Chat:
+    """A conversation with one model and one cache, turn after turn (batch 1).
+
+    The cache is created by the first turn. The full cache grows with the conversation, in
+    steps of CHUNK tokens, up to the model's context. A compressed cache takes the first turn
+    plus at most CHAT_ROOM tokens; its buckets grow as they fill.
+    """
+
+    def __init__(self, model, tok, *, kv="full", max_new_tokens=128, compile=False,
+                 token_flags=None, sampling=None, **cache_options):
+        self.model, self.tok, self.kv = model, tok, kv
+        self.max_new_tokens, self.compile = max_new_tokens, compile
+        self.token_flags, self.sampling, self.cache_options = token_flags, sampling or {}, cache_options
+        self.device = model.tok_embeddings.weight.device
+        self.messages: list[dict] = []
+        self.rendered = ""   # the conversation as the template renders it, up to the last answer
+        self.pending: list[int] = []  # the last answer's final token, sampled but not yet fed
+        self.length = 0      # tokens in the cache, at positions 0 .. length-1
+        self.limit = 0       # the most it can hold; set by the first turn
+
+    def turn(self, text: str, on_token=None, stop=lambda: False) -> Turn:
+        """Feed a user turn on top of the cache and answer it. `stop()` is asked after each
+        token; True ends the answer there, between two decode steps, so the cache stays whole."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        rendered = self.tok.apply_chat(messages)
+        if not rendered.startswith(self.rendered):
+            raise TokenizerError("the chat template rewrites earlier turns when a new one is "
+                                 "added, so the cache cannot be kept across turns")
+        # BOS (if the tokenizer adds one) only at the start of the conversation.
+        fed = self.pending + self.tok.encode(rendered[len(self.rendered):], special=not self.length)
+        first = self.length == 0
+        if first:
+            self.start(len(fed))
+        # An answer of n tokens adds n - 1 to the cache: the last one is sampled, not fed.
+        room = self.limit - self.length - len(fed) + 1
+        if room < 1:
+            raise ConversationFull(
+                f"this turn ({len(fed)} tokens) does not fit: the cache holds {self.length} of the "
+                f"{self.limit} tokens it has room for; write less, or start a new chat")
+        n_max = min(self.max_new_tokens, room)
+        if self.kv == "full":
+            need = -(-(self.length + len(fed) + n_max) // CHUNK) * CHUNK
+            for cache in self.model.caches():
+                cache.grow(min(need, self.limit))
+
+        t0 = time.perf_counter()
+        cur = self.feed(fed, first)
+        prefill_s = time.perf_counter() - t0
+        self.length += len(fed)
+        out: list[int] = []
+        eos = set(self.tok.eos_ids)
+
+        def emit(c):
+            out.append(int(c[0, 0]))
+            if on_token:
+                on_token(0, out[-1])
+            return out[-1] in eos or stop()
+
+        steps, decode_s, compile_s = 0, 0.0, 0.0
+        if not emit(cur):
+            pos = torch.tensor([[self.length]], device=self.device)
+            steps, decode_s, compile_s, _ = decode(self.model, cur, pos, n_max - 1, emit,
+                                                   self.compile, **self.sampling)
+        self.length += steps
+        self.pending = [] if out[-1] in eos else out[-1:]
+        reply = self.tok.decode([t for t in out if t not in eos])
+        self.messages = messages + [{"role": "assistant", "content": reply}]
+        self.rendered = rendered + reply
+        return self.stats(fed, out, reply, prefill_s, decode_s, steps, compile_s, first,
+                          interrupted=stop() and out[-1] not in eos,
+                          capped=len(out) == n_max < self.max_new_tokens and out[-1] not in eos)
+
+    def start(self, first_len: int):
+        """Create the caches for a conversation whose first turn has first_len tokens."""
+        context = self.model.args.max_seq_len
+        room = context - first_len if self.kv == "full" else min(CHAT_ROOM, context - first_len)
+        if room < 1:
+            raise ConversationFull(f"the first turn ({first_len} tokens) fills the model's context "
+                                   f"of {context} tokens; write less")
+        # The full cache starts empty (grown before each turn); a compressed one takes its room now.
+        self.model.setup_caches(make_caches(self.model, self.kv, [first_len],
+                                            1 - first_len if self.kv == "full" else room,
+                                            self.token_flags, **self.cache_options))
+        # The full cache holds positions 0 .. context-1; a compressed one is built for
+        # first_len + room - 1 tokens seen (FastGenCache's max_new_tokens counts the last
+        # token, which is sampled and never fed).
+        self.limit = first_len + room - (self.kv != "full")
+
+    def feed(self, ids: list[int], first: bool):
+        """Put ids into the cache after what it holds; returns the token sampled after them."""
+        model, start = self.model, self.length
+        if self.kv != "full" and not first:
+            step = compiled_decode() if self.compile else decode_one_token
+            for i, t in enumerate(ids):
+                for c in model.caches():
+                    c.reserve()
+                cur = step(model, torch.tensor([[t]], device=self.device),
+                           torch.tensor([[start + i]], device=self.device), **self.sampling)
+            return cur
+        # The full cache in chunks; a compressed cache's first turn in one call, which profiles it.
+        chunk = CHUNK if self.kv == "full" else len(ids)
+        for i in range(0, len(ids), chunk):
+            part = torch.tensor([ids[i:i + chunk]], device=self.device)
+            pos = torch.arange(start + i, start + i + part.shape[1], device=self.device)[None]
+            logits = model(part, pos, logits_at=torch.tensor([part.shape[1] - 1], device=self.device))
+        return sample(logits[:, 0], **self.sampling)[:, None]
+
+    def stats(self, fed, out, reply, prefill_s, decode_s, steps, compile_s, first, **flags) -> Turn:
+        caches, a = self.model.caches(), self.model.args
+        seen = a.n_layers * a.n_kv_heads * self.length
+        full = self.kv == "full"
+        turn = Turn(fed, out, reply, prefill_s, decode_s, steps - (1 if self.compile and steps else 0),
+                    self.length, seen if full else sum(c.kept() for c in caches), seen,
+                    sum(c.nbytes() for c in caches), dense_kv_bytes(self.model, 1, self.length),
+                    compile_s, **flags)
+        if first and not full:
+            turn.plan = [[repr(p) for p in c.plan()] for c in caches]
+        return turn
+
+
+def interactive(prompt=None, *, json_lines=False, prompt_file=None, save_plan=None, ckpt=None,
+                max_new_tokens=128, temperature=0.0, top_k=None, top_p=1.0, seed=0,
+                device="cpu", dtype="float32", compile=False, chat=True, kv="full",
+                recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=None,
+                allow_pickle=False, **fastgen_options) -> int:
+    """The chat loop of `generate.py --interactive`: one user turn per line of standard input.
+    The answer streams to stdout (or, with json_lines, one JSON object per turn); the cache's
+    state after each turn goes to stderr. Returns the exit status."""
+    if prompt or prompt_file or save_plan:
+        raise UsageError("--interactive reads its turns from standard input; drop --prompt, "
+                         "--prompt-file and --save-plan")
+    check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
+               kv_budget, kv, device, dtype, seed)
+    torch.manual_seed(seed)
+    model, tok = load(ckpt, dtype, device, allow_pickle)
+    if not tok.chat_template:
+        raise TokenizerError("this checkpoint has no chat template (tokenizer_config.json has no "
+                             "chat_template); --interactive needs an instruct model")
+    session = Chat(model, tok, kv=kv, max_new_tokens=max_new_tokens, compile=compile,
+                   token_flags=flags_of(model, tok) if kv != "full" else None,
+                   sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p),
+                   **({} if kv == "full" else dict(recovery=recovery, r_local=r_local,
+                                                   r_frequent=r_frequent, kv_budget=kv_budget,
+                                                   **fastgen_options)))
+    number = 0
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        try:
+            line = input()
+        except EOFError:  # Ctrl-D, or the end of piped input
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt (not during an answer) ends the chat
+            print(file=sys.stderr)
+            return 130
+        if not line.strip():
+            continue
+        # Ctrl-C during an answer only raises a flag; the answer stops between two decode
+        # steps, so no layer's cache is left with a token the others lack.
+        stopped = []
+        previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+        printer = None if json_lines else StreamPrinter(tok)
+        try:
+            turn = session.turn(line, on_token=printer, stop=lambda: bool(stopped))
+        except ConversationFull as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            if printer:
+                printer.finish()
+        number += 1
+        if json_lines:
+            print(json.dumps(asdict(turn)), flush=True)
+        else:
+            print(turn.summary(number), file=sys.stderr)

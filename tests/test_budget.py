@@ -1,0 +1,27 @@
+"""The byte-budget selection: an exact knapsack, one menu item per segment."""
+import itertools
+
+import pytest
+import torch
+
+from profiling import fit_budget
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_budget_choice_equals_brute_force_and_fits(seed):
+    g = torch.Generator().manual_seed(seed)
+    S = int(torch.randint(1, 5, (1,), generator=g))
+    M = int(torch.randint(1, 5, (1,), generator=g))
+    costs = torch.randint(0, 12, (S, M), generator=g)
+    values = torch.rand(S, M, generator=g)
+    budget = int(torch.randint(0, 12 * S, (1,), generator=g))
+    choice = fit_budget(values, costs, budget)
+    rows = torch.arange(S)
+    feasible = [c for c in itertools.product(range(M), repeat=S)
+                if sum(int(costs[s, m]) for s, m in enumerate(c)) <= budget]
+    if not feasible:  # nothing fits: the cheapest everywhere
+        assert torch.equal(costs[rows, choice], costs.min(1).values)
+        return
+    assert int(costs[rows, choice].sum()) <= budget
+    best = max(sum(float(values[s, m]) for s, m in enumerate(c)) for c in feasible)
+    assert float(values[rows, choice].sum()) == pytest.approx(best, abs=1e-6)
