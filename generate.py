@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+import tp
 from model import KVCache, Transformer
 
 KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
@@ -112,6 +113,8 @@ def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bo
             input_pos += 1
             finished = emit(cur)
     except KeyboardInterrupt:
+        if tp.world() > 1:
+            raise  # the ranks may have stopped at different steps: no more collectives
         return steps, decode_s, compile_s, True  # keep what was generated so far
     return steps, decode_s, compile_s, False
 
@@ -168,6 +171,7 @@ class Generation:
     compile_s: float = 0.0              # the first compiled step, excluded from decode_s
     kv_bytes: int = 0                   # allocated by the cache at the end
     full_kv_bytes: int = 0              # the full cache for the same work
+    kv_bytes_per_rank: list[int] = field(default_factory=list)  # tensor parallel: each rank's
     kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
     seen_tokens: int = 0                # the same count for a full cache
     profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
@@ -200,7 +204,9 @@ class Generation:
             + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
                f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%}); "
-               f"{self.growths} bucket growths" if self.plan else ""),
+               f"{self.growths} bucket growths" if self.plan else "")
+            + (", per rank " + ", ".join(f"{b / 2**20:.2f}" for b in self.kv_bytes_per_rank)
+               + " MiB" if len(self.kv_bytes_per_rank) > 1 else ""),
         ]
         if self.profile_s:
             total = self.prefill_s + self.decode_s
@@ -273,7 +279,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         gen.recovery = [c.recovery.tolist() for c in caches]
         gen.growths = sum(c.growths() for c in caches)
     model.setup_caches(None)
-    return gen
+    return tp.gather_stats(gen, B) if tp.world() > 1 else gen
 
 
 @torch.no_grad()
@@ -359,13 +365,17 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
 
 def load(ckpt: str | None, dtype: str = "float32", device: str = "cpu", allow_pickle: bool = False):
     """The model and tokenizer of `ckpt`: a checkpoint folder, a GGUF file (converted once into
-    the cache folder) or None for the default model."""
+    the cache folder) or None for the default model. Under torchrun, this rank's share."""
     from convert_gguf import checkpoint_folder
     from model import load_model
     from tokenizer import Tokenizer
 
-    folder = checkpoint_folder(ckpt)
-    return load_model(folder, DTYPES[dtype], device, allow_pickle), Tokenizer(folder)
+    with tp.same_outcome():  # a GGUF is converted by rank 0 alone, while the others wait
+        folder = checkpoint_folder(ckpt) if tp.rank() == 0 else None
+    with tp.same_outcome():
+        folder = folder or checkpoint_folder(ckpt)
+        model = load_model(folder, DTYPES[dtype], device, allow_pickle, tp.rank(), tp.world())
+        return model, Tokenizer(folder)
 
 
 def flags_of(model: Transformer, tok):
@@ -391,26 +401,34 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     Raises UsageError for bad arguments, model.CheckpointError,
     tokenizer.TokenizerError and convert_gguf.ConversionError for checkpoints
     that cannot be loaded.
+
+    Under torchrun (tensor parallel, tp.py) every rank calls it and gets the
+    same `Generation`; only rank 0 streams. An error on one rank is raised by
+    the lowest failing rank, and the others exit with status 1.
     """
-    check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-               kv_budget, kv, device, dtype, seed, save_plan)
-    if obs_window < 0:
-        raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
-    texts = read_prompts(prompt, prompt_file)
+    device = tp.init(device)
+    with tp.same_outcome():
+        check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
+                   kv_budget, kv, device, dtype, seed, save_plan)
+        if obs_window < 0:
+            raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
+        texts = read_prompts(prompt, prompt_file)
+    # The same seed on every rank: the ranks sample the same tokens from the same logits.
     torch.manual_seed(seed)
     model, tok = load(ckpt, dtype, device, allow_pickle)
-    if chat:
-        texts = [tok.apply_chat(t) for t in texts]
-    prompts = [tok.encode(t) for t in texts]
-    longest = max(map(len, prompts))
-    if longest + max_new_tokens > model.args.max_seq_len:
-        raise UsageError(
-            f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {model.args.max_seq_len} tokens; shorten the prompt or "
-            "lower --max-new-tokens")
-    flags = flags_of(model, tok) if kv != "full" else None
+    with tp.same_outcome():
+        if chat:
+            texts = [tok.apply_chat(t) for t in texts]
+        prompts = [tok.encode(t) for t in texts]
+        longest = max(map(len, prompts))
+        if longest + max_new_tokens > model.args.max_seq_len:
+            raise UsageError(
+                f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds "
+                f"the model's context of {model.args.max_seq_len} tokens; shorten the prompt "
+                "or lower --max-new-tokens")
+        flags = flags_of(model, tok) if kv != "full" else None
 
-    printer = StreamPrinter(tok) if stream and len(prompts) == 1 else None
+    printer = StreamPrinter(tok) if stream and len(prompts) == 1 and tp.rank() == 0 else None
     try:
         gen = generate(model, prompts, max_new_tokens, kv=kv, eos_ids=tok.eos_ids,
                        compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
@@ -430,11 +448,12 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
         if printer:
             printer.finish()
     gen.texts = [tok.decode([t for t in ids if t not in tok.eos_ids]) for ids in gen.tokens]
-    if save_plan and gen.plan:
+    if save_plan and gen.plan and tp.rank() == 0:
         try:
             Path(save_plan).write_text(json.dumps(
                 {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
-                 "n_kv_heads": model.args.n_kv_heads, "plan": gen.plan, "recovery": gen.recovery},
+                 "n_kv_heads": model.args.n_kv_heads * tp.world(), "plan": gen.plan,
+                 "recovery": gen.recovery},
                 indent=1))
         except OSError as e:
             raise UsageError(f"cannot write --save-plan {save_plan}: {e.strerror}")
@@ -563,20 +582,35 @@ def cli(argv=None) -> int:
     a = parse_args(argv)
     kwargs = {k: v for k, v in vars(a).items() if k not in ("prompt", "json", "interactive")}
     single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file and not a.json
+
+    def fail(e, status):
+        # Under torchrun an error reaches only the rank that reports it
+        # (tp.same_outcome), so every rank prints the errors it gets.
+        print(f"error: {f'rank {tp.rank()}: ' if tp.rank() else ''}{e}", file=sys.stderr)
+        return status
+
     try:
         if a.interactive:
+            tp.init(a.device)
+            with tp.same_outcome():
+                if tp.world() > 1:
+                    raise UsageError("--interactive runs in one process; start it without torchrun")
             from chat import interactive
             return interactive(a.prompt, json_lines=a.json, **kwargs)
         gen = main(a.prompt, stream=single, **kwargs)
+        if tp.rank() != 0:
+            return 0  # only rank 0 prints the results
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e, 2)
     except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(e, 1)
     except KeyboardInterrupt:
-        print("\ninterrupted before the first token", file=sys.stderr)
+        if tp.rank() == 0:
+            print("\ninterrupted" + (" before the first token" if tp.world() == 1 else ""),
+                  file=sys.stderr)
         return 130
+    finally:
+        tp.shutdown()
     if a.json:
         print(json.dumps(gen.as_dict()))
     elif not single:

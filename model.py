@@ -8,6 +8,7 @@ keeps, per head, only what that head's policy needs.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -377,18 +378,24 @@ def weight_files(ckpt: Path, allow_pickle: bool = False) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {ckpt}.{hint}")
 
 
-def read_weights(f: Path) -> dict[str, torch.Tensor]:
-    """One weight file: safetensors, or (opted into) a pickle read with weights_only."""
+def read_weights(f: Path, take) -> dict[str, torch.Tensor]:
+    """One weight file, safetensors or (opted into) a pickle read with weights_only,
+    under our names. `take(key, t)` returns what to keep of tensor `key`, given a
+    safetensors slice (of which only that part is then read) or a tensor."""
     if not f.is_file():
         raise CheckpointError(f"{f} is missing (named in the index); re-download the checkpoint")
     import pickle
 
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
+
+    def ours(keys):
+        return [(key, name) for key in keys if (name := hf_to_ours(key)) is not None]
     try:
         if f.suffix == ".safetensors":
-            return load_file(f)
-        return torch.load(f, map_location="cpu", weights_only=True)
+            with safe_open(f, "pt") as st:
+                return {name: take(name, st.get_slice(key)) for key, name in ours(st.keys())}
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+        return {name: take(name, sd[key]) for key, name in ours(sd)}
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{f} holds objects other than tensors, which are refused "
                               f"even with --allow-pickle ({str(e).splitlines()[-1].strip()})")
@@ -397,22 +404,21 @@ def read_weights(f: Path) -> dict[str, torch.Tensor]:
                               "re-download it")
 
 
-def load_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state_dict(files: list[Path], dtype: torch.dtype, take) -> dict[str, torch.Tensor]:
     sd = {}
     for f in files:
-        for key, t in read_weights(f).items():
-            ours = hf_to_ours(key)
-            if ours is not None:
-                sd[ours] = t.to(dtype)
+        sd |= read_weights(f, lambda key, t: take(key, t).to(dtype))
     return sd
 
 
 def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu",
-               allow_pickle: bool = False) -> Transformer:
+               allow_pickle: bool = False, rank: int = 0, world: int = 1) -> Transformer:
     """Load an HF-format Llama checkpoint folder (config.json + safetensors).
 
     Pickle weights (`*.bin`, `*.pth`) load only with `allow_pickle`, and then
-    through `torch.load(weights_only=True)`, which refuses arbitrary objects."""
+    through `torch.load(weights_only=True)`, which refuses arbitrary objects.
+    With `world` > 1, the share of rank `rank` in tensor parallel (tp.py):
+    only its slices of the safetensors are read."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint folder {ckpt} does not exist")
@@ -420,12 +426,15 @@ def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu",
         args = ModelArgs.from_hf_config(read_config(ckpt))
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt / 'config.json'}: {e if not isinstance(e, KeyError) else f'missing field {e}'}")
-    sd = load_state_dict(weight_files(ckpt, allow_pickle), dtype)
+    if world > 1:
+        import tp  # tensor parallel: this rank's share of the model, and of each weight
+    with torch.device("meta"):
+        model = Transformer(args) if world == 1 else tp.sharded_model(args, rank, world)
+    take = (lambda key, t: t[:]) if world == 1 else functools.partial(tp.shard, r=rank, n=world)
+    sd = load_state_dict(weight_files(ckpt, allow_pickle), dtype, take)
     if args.tie_embeddings:
         # Tied models share one matrix; some exports still save a copy as lm_head.
         sd["output.weight"] = sd.get("tok_embeddings.weight")
-    with torch.device("meta"):
-        model = Transformer(args)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(sd))
     extra = sorted(set(sd) - set(expected))
@@ -441,5 +450,5 @@ def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu",
     model.load_state_dict(sd, strict=True, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    model.rope = rope_table(args)
+    model.rope = rope_table(model.args)
     return model.to(device).eval()
