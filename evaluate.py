@@ -291,6 +291,9 @@ METRICS = [("kl", "KL(full || compressed) per token, lower is better", "share", 
            ("pk_acc", "passkey accuracy, higher is better", "pk_share", max)]
 
 
+SHARES = (0.25, 0.5, 0.75)
+
+
 def family(name):
     return name.split(" ")[0]
 
@@ -326,8 +329,21 @@ def report(rows, meta, peer_error) -> str:
                      f"| {fmt(r['top1'], 'top1')} "
                      f"| {fmt(r['ppl'], 'ppl')} | {fmt(r.get('pk_share'), 'x')} "
                      f"| {fmt(r.get('pk_acc'), 'pk_acc')} |")
-    others = [f for f in dict.fromkeys(map(family, rows)) if f not in ("full", "fastgen")]
-    fastgen = {n: r for n, r in rows.items() if family(n) == "fastgen"}
+    ours = lambda f: f.startswith("fastgen")  # noqa: E731
+    others = [f for f in dict.fromkeys(map(family, rows)) if f != "full" and not ours(f)]
+    fastgen = {n: r for n, r in rows.items() if ours(family(n))}
+    lines += ["\n## Every family at the same KV shares\n",
+              "Each family's points interpolated at allocated-byte shares 0.25, 0.5 and 0.75 "
+              "(a dash: its points do not reach that share). Passkey at the passkey runs' shares.\n",
+              "| family | " + " | ".join(f"{key} @{x}" for key, *_ in METRICS for x in SHARES) + " |",
+              "|---" * (1 + len(METRICS) * len(SHARES)) + "|"]
+    for f in dict.fromkeys(map(family, rows)):
+        if f == "full":
+            continue
+        cells = [fmt(interpolate([(r[share], r.get(key)) for n, r in rows.items()
+                                  if family(n) == f and r.get(share) is not None], x), key)
+                 for key, _, share, _ in METRICS for x in SHARES]
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
     lines.append("\n## Equal memory: each fixed policy interpolated at FastGen's KV share\n")
     lines.append("A dash: that policy's points do not reach this share.\n")
     wins = {f: {key: [0, 0] for key, *_ in METRICS} for f in others}
@@ -377,7 +393,7 @@ def plot(rows, path):
                          if family(n) == f and r.get(key) is not None and r.get(share) is not None)
             if pts and not (key == "kl" and f == "full"):  # KL 0 has no place on a log axis
                 ax.plot(*zip(*pts), color=colors[f], label=f, marker="*" if f == "full" else "o",
-                        ms=12 if f == "full" else 4, lw=2.5 if f == "fastgen" else 1,
+                        ms=12 if f == "full" else 4, lw=2.5 if f.startswith("fastgen") else 1,
                         ls="--" if f.startswith("kvpress") else "-")
         ax.set(title=title, xlabel="KV bytes allocated / full cache")
         ax.set_yscale("log" if key in ("kl", "ppl") else "linear")
@@ -471,6 +487,15 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
     return rows
 
 
+def render(out: str) -> dict:
+    """Write OUT.md and OUT.png again from OUT.json (after a change to the report)."""
+    out = Path(out)
+    saved = json.loads(out.with_suffix(".json").read_text())
+    out.with_suffix(".md").write_text(report(saved["rows"], saved["meta"], None))
+    plot(saved["rows"], out.with_suffix(".png"))
+    return saved["rows"]
+
+
 def parse_args(argv=None):
     import argparse
     p = argparse.ArgumentParser(description="Quality (KL, top-1, perplexity, passkey) against "
@@ -479,6 +504,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output path without suffix; writes .md, .json, "
                    ".png (default results/quality, or results/quality_quick with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny settings: a smoke test in seconds")
+    p.add_argument("--render", action="store_true", help="only write OUT.md and OUT.png again "
+                   "from OUT.json (a saved run)")
     p.add_argument("--windows", type=int, default=30, help="text windows (default 30)")
     p.add_argument("--prompt-len", type=int, default=768, help="prompt tokens per window (768)")
     p.add_argument("--new-tokens", type=int, default=64, help="continuation tokens (64)")
@@ -523,9 +550,10 @@ if __name__ == "__main__":
     from generate import exit_on_user_error
     with exit_on_user_error():
         a = parse_args()
-        kwargs = {k: v for k, v in vars(a).items() if v is not None}
+        kwargs = {k: v for k, v in vars(a).items() if v is not None and k != "render"}
         kwargs["out"] = a.out or ("results/quality_quick" if a.quick else "results/quality")
-        rows = main(command="python " + " ".join(sys.argv), **kwargs)
+        rows = render(kwargs["out"]) if a.render else \
+            main(command="python " + " ".join(sys.argv), **kwargs)
     for name, r in rows.items():
-        print(f"{name:18s} share {r['share']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}  "
+        print(f"{name:30s} share {r['share']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}  "
               f"ppl {r['ppl']:.2f}  passkey {r.get('pk_acc', float('nan')):.2f}")
