@@ -29,7 +29,8 @@ from tqdm import tqdm
 from bench import machine_info, time_hf, time_ours, wait_until_idle, weight_bytes
 from generate import dense_kv_bytes
 
-IMPLS = ("transformers", "full", "fastgen")
+IMPLS = ("transformers", "full", "fastgen", "fastgen-paper")
+FASTGENS = ("fastgen", "fastgen-paper")
 
 
 def cells(args) -> list[tuple[int, int]]:
@@ -59,12 +60,14 @@ def measure(args) -> dict:
     def run(impl, prompts, new_tokens):
         if impl == "transformers":
             return time_hf(hf, prompts, new_tokens)
-        return time_ours(model, prompts, new_tokens, impl, False, flags, recovery=args.recovery)
+        return time_ours(model, prompts, new_tokens, impl.split("-")[0], False, flags,
+                         recovery=args.recovery, paper=impl == "fastgen-paper")
 
     grid = cells(args)
     reuse = (args.batch_len, 1) in grid and args.new_tokens in args.profile_tokens
     long = [n for n in args.profile_tokens if not (reuse and n == args.new_tokens)]
-    bar = tqdm(total=args.runs * (len(grid) * len(IMPLS) + len(long)), desc="scaling", unit="run")
+    bar = tqdm(total=args.runs * (len(grid) * len(IMPLS) + len(long) * len(FASTGENS)),
+               desc="scaling", unit="run")
     for impl in IMPLS:  # warm-up
         run(impl, [list(range(100, 108))], 2)
     rows = []
@@ -82,21 +85,22 @@ def measure(args) -> dict:
                              **{k: statistics.median(t[k] for t in ts)
                                 for k in ("prefill", "decode", "cpu", "profile_share")},
                              kv=ts[-1]["kv"], full_kv=ts[-1]["full_kv"], runs=ts))
-    profile = [r for r in rows if reuse and r["impl"] == "fastgen"
+    profile = [r for r in rows if reuse and r["impl"] in FASTGENS
                and (r["prompt"], r["batch"]) == (args.batch_len, 1)]
     prompts = text_prompts(tok, 1, args.batch_len, args.batch_len, seed=args.seed)
     for n_new in long:
-        ts = []
-        for _ in range(args.runs):
-            bar.set_postfix_str(f"profiling share, {n_new} new tokens")
-            wait_until_idle(args.idle_wait)
-            ts.append(run("fastgen", prompts, n_new))
-            bar.update()
-        profile.append(dict(prompt=args.batch_len, batch=1, impl="fastgen", new_tokens=n_new,
-                            profile_share=statistics.median(t["profile_share"] for t in ts),
-                            runs=ts))
+        for impl in FASTGENS:
+            ts = []
+            for _ in range(args.runs):
+                bar.set_postfix_str(f"profiling share, {impl}, {n_new} new tokens")
+                wait_until_idle(args.idle_wait)
+                ts.append(run(impl, prompts, n_new))
+                bar.update()
+            profile.append(dict(prompt=args.batch_len, batch=1, impl=impl, new_tokens=n_new,
+                                profile_share=statistics.median(t["profile_share"] for t in ts),
+                                runs=ts))
     bar.close()
-    return dict(rows=rows, profile=sorted(profile, key=lambda r: r["new_tokens"]),
+    return dict(rows=rows, profile=sorted(profile, key=lambda r: (r["impl"], r["new_tokens"])),
                 weight_bytes=weight_bytes(model), kv_token_bytes=dense_kv_bytes(model, 1, 1),
                 batch_len=args.batch_len,
                 machine=machine_info(args.threads), date=time.strftime("%Y-%m-%d %H:%M"),
@@ -112,7 +116,8 @@ def report(res: dict) -> str:
         f"Machine: {res['machine']}; {res['date']}. Checkpoint `{Path(res['ckpt']).name}`, "
         f"float32, eager, greedy, {res['new_tokens']} new tokens, prompts of real text "
         f"(`textdata`); median of {res['runs']} run(s), round-robin. FastGen at T = "
-        f"{res['recovery']}. Runtime {res['runtime_s'] / 60:.1f} min.",
+        f"{res['recovery']}, with its defaults and as the paper states it (`--paper`: "
+        f"profiling over every prompt row). Runtime {res['runtime_s'] / 60:.1f} min.",
         "",
         f"    {res['command']}",
         "",
@@ -120,24 +125,27 @@ def report(res: dict) -> str:
         f"reads ({res['weight_bytes'] / 1e6:.0f} MB); above 1 the cache, not the weights, "
         "dominates the memory traffic of a step.",
         "",
-        "| prompt | batch | KV/weights | decode tok/s: HF | full | FastGen | FastGen vs full "
-        "| prefill tok/s: HF | full | FastGen | KV MiB: HF | full | FastGen | CPU share |",
-        "|" + "---:|" * 14,
+        "| prompt | batch | KV/weights | decode tok/s: HF | full | FastGen | paper "
+        "| FastGen vs full | paper vs full | prefill tok/s: HF | full | FastGen | paper "
+        "| KV MiB: HF | full | FastGen | paper | CPU share |",
+        "|" + "---:|" * 18,
     ]
     for n, B in dict.fromkeys((r["prompt"], r["batch"]) for r in res["rows"]):
-        h, f, g = (by[n, B, i] for i in IMPLS)
+        h, f, g, p = (by[n, B, i] for i in IMPLS)
         ratio = B * (n + res["new_tokens"]) * res["kv_token_bytes"] / res["weight_bytes"]
         lines.append(
             f"| {n} | {B} | {ratio:.2f} | {h['decode']:.2f} | {f['decode']:.2f} | "
-            f"{g['decode']:.2f} | {g['decode'] / f['decode']:.2f}x | {h['prefill']:.0f} | "
-            f"{f['prefill']:.0f} | {g['prefill']:.0f} | {h['kv'] / 2**20:.1f} | "
+            f"{g['decode']:.2f} | {p['decode']:.2f} | {g['decode'] / f['decode']:.2f}x | "
+            f"{p['decode'] / f['decode']:.2f}x | {h['prefill']:.0f} | {f['prefill']:.0f} | "
+            f"{g['prefill']:.0f} | {p['prefill']:.0f} | {h['kv'] / 2**20:.1f} | "
             f"{f['kv'] / 2**20:.1f} | {g['kv'] / 2**20:.1f} ({g['kv'] / g['full_kv']:.0%}) | "
-            f"{min(h['cpu'], f['cpu'], g['cpu']):.0%} |")
+            f"{p['kv'] / 2**20:.1f} ({p['kv'] / p['full_kv']:.0%}) | "
+            f"{min(x['cpu'] for x in (h, f, g, p)):.0%} |")
     lines += [
         "",
         "KV MiB: bytes allocated at the end of generation (HF: its DynamicCache tensors; ours: "
         "`nbytes()`, K, V and every index and score tensor; FastGen: % of our full cache). "
-        "CPU share: the lowest of the row's three medians of CPU time / (wall x threads); well "
+        "CPU share: the lowest of the row's medians of CPU time / (wall x threads); well "
         "under 100% means other processes took the cores.",
         "",
         "## Profiling share",
@@ -145,9 +153,9 @@ def report(res: dict) -> str:
         "FastGen's profiling and compression (in prefill, every layer) / its whole generation "
         "time (prefill + decode), batch 1:",
         "",
-        "| prompt | new tokens | profiling share |",
-        "|---:|---:|---:|",
-        *(f"| {r['prompt']} | {r['new_tokens']} | {r['profile_share']:.1%} |"
+        "| FastGen | prompt | new tokens | profiling share |",
+        "|---|---:|---:|---:|",
+        *(f"| {r['impl']} | {r['prompt']} | {r['new_tokens']} | {r['profile_share']:.1%} |"
           for r in res["profile"]),
         "",
         f"![decode speed and KV memory]({Path(res['png']).name})",
@@ -168,7 +176,7 @@ def plot(res: dict, path: Path) -> None:
              "prompt tokens (batch 1)"),
             (sorted({r["batch"] for r in rows if r["prompt"] == n}), lambda x: (n, x),
              f"batch ({n}-token prompts)")]):
-        for impl, style in zip(IMPLS, ("s:", "o--", "^-")):
+        for impl, style in zip(IMPLS, ("s:", "o--", "^-", "v-.")):
             pts = [by[(*cell(x), impl)] for x in xs]
             axes[0, col].plot(xs, [p["decode"] for p in pts], style, label=impl)
             axes[1, col].plot(xs, [p["kv"] / 2**20 for p in pts], style, label=impl)

@@ -12,7 +12,8 @@ def test_scaling_quick(tiny_ckpt, tmp_path):
         assert r["decode"] > 0 and r["prefill"] > 0 and r["kv"] > 0
     full = {(r["prompt"], r["batch"]): r["kv"] for r in res["rows"] if r["impl"] == "full"}
     assert full[32, 2] == 2 * full[32, 1] > full[16, 1]  # allocated bytes, per sequence
-    assert [p["new_tokens"] for p in res["profile"]] == [4, 8]
+    assert [(p["impl"], p["new_tokens"]) for p in res["profile"]] == [
+        ("fastgen", 4), ("fastgen", 8), ("fastgen-paper", 4), ("fastgen-paper", 8)]
     assert all(0 < p["profile_share"] < 1 for p in res["profile"])
     md = (tmp_path / "s.md").read_text()
     assert "| 32 | 2 |" in md and "profiling share" in md
