@@ -137,8 +137,8 @@ class FastGenCache(nn.Module):
     `policies` is the candidates of each segment: one policy for every segment
     (the baselines), the paper's shortlist (each segment takes the first whose
     recovery reaches `threshold`), or a menu under `budget` (each segment takes
-    the item that maximizes the layer's total recovery with its kept prompt
-    tokens at most `budget` of the prompt's). Profiling reads the last `rows`
+    the item that maximizes the layer's total recovery with the tokens its
+    items will hold at most `budget` of what a full cache holds). Profiling reads the last `rows`
     prompt rows (None: all of them) and, unless `sink`, leaves the first
     token's attention out of the recovery.
     """
@@ -186,8 +186,12 @@ class FastGenCache(nn.Module):
         if len(self.policies) == 1:
             self.choice = torch.zeros(B * K, dtype=torch.long)
         elif self.budget is not None:
-            costs = torch.stack([keep.sum(1) for keep in keeps], dim=1)  # (S, n_policies)
-            allowed = int(self.budget * prompt.prompt_len.sum())
+            # A head's cost: the prompt tokens it keeps and what it will keep of
+            # the new ones; the budget: a share of what a full cache would hold.
+            new = self.max_new_tokens - 1
+            costs = torch.stack([keep.sum(1) + torch.ceil(p.growth(prompt) * new).long()
+                                 for p, keep in zip(self.policies, keeps)], dim=1)  # (S, n_policies)
+            allowed = int(self.budget * (prompt.prompt_len + new).sum())
             self.choice = fit_budget(self.recovery, costs, allowed)
         else:
             self.choice = choose(self.recovery, self.threshold)

@@ -74,6 +74,11 @@ class Policy:
         """Bool (N, C): which of the held tokens this policy keeps."""
         raise NotImplementedError
 
+    def growth(self, prompt: Slots) -> torch.Tensor:
+        """(N,) the share of new tokens it will hold on to, as the budget mode
+        counts its cost; read off the prompt where it depends on the text."""
+        return torch.zeros(prompt.pos.shape[0])
+
     def members(self) -> tuple[Policy, ...]:
         return (self,)
 
@@ -98,12 +103,18 @@ class Special(Policy):
     def keep(self, s):
         return s.valid & (((s.flags & SPECIAL) != 0) | (s.pos == 0))
 
+    def growth(self, prompt):
+        return (prompt.valid & ((prompt.flags & SPECIAL) != 0)).sum(1) / prompt.prompt_len[:, 0]
+
 
 class Punct(Policy):
     """Tokens whose text is only punctuation."""
 
     def keep(self, s):
         return s.valid & ((s.flags & PUNCT) != 0)
+
+    def growth(self, prompt):
+        return self.keep(prompt).sum(1) / prompt.prompt_len[:, 0]
 
 
 class Local(Policy):
@@ -139,6 +150,9 @@ class Frequent(Policy):
         newest = s.pos == s.seen - 1
         return top(s.mean_score.masked_fill(newest, float("inf")), s.valid, share(self.r, s.seen))
 
+    def growth(self, prompt):
+        return torch.full((prompt.pos.shape[0],), self.r)
+
     def __repr__(self):
         return f"Frequent({self.r:g})" if self.by == "sum" else f"Frequent({self.r:g}, mean)"
 
@@ -158,6 +172,9 @@ class Full(Policy):
 
     def keep(self, s):
         return s.valid
+
+    def growth(self, prompt):
+        return torch.ones(prompt.pos.shape[0])
 
 
 class TOVA(Policy):
@@ -190,6 +207,9 @@ class SnapKV(Policy):
         # so this keeps them all: the prompt is compressed once.
         return (s.valid & recent) | top(pooled, s.valid & ~recent, budget)
 
+    def growth(self, prompt):
+        return torch.ones(prompt.pos.shape[0])
+
 
 class Union(Policy):
     """Keeps a token when any member keeps it. Build it with `|`."""
@@ -205,6 +225,9 @@ class Union(Policy):
         for m in self._members[1:]:
             kept = kept | m.keep(s)
         return kept
+
+    def growth(self, prompt):
+        return sum(m.growth(prompt) for m in self._members).clamp(max=1)
 
     def __eq__(self, other):
         return isinstance(other, Union) and self._members == other._members
@@ -231,7 +254,8 @@ def menu(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "mean",
     """What a head may take under a byte budget: the paper's shortlist and the
     fixed policies' shapes at several sizes, so that every fixed baseline is
     one point of it."""
-    shapes = [[baseline(kind, r, by) for r in ratios] for kind in ("local", "sink", "h2o")]
+    kinds = ("local", "sink", "h2o", "tova", "snapkv")
+    shapes = [[baseline(kind, r, by) for r in ratios] for kind in kinds]
     return list(dict.fromkeys(shortlist(r_local, r_frequent, by) + sum(shapes, [])))
 
 

@@ -104,21 +104,22 @@ def prompt_attention(q, k):
     return logits.masked_fill(~causal, -math.inf).softmax(-1)
 
 
-def brute_recovery(policy, A, prompt_len, flags, colsum, rows=None, sink=True, last=None):
+def brute_recovery(policy, A, prompt_len, flags, colsum, rows=None, sink=True, last=None,
+                   hint=frozenset()):
     """Share of attention `policy` recovers, from the whole attention matrix.
 
     A: (G, L, L) causal attention of the G query heads of one KV head. Row i
     keeps the policy's fixed set plus, when it has a Local member, its window
     {j : i - W < j <= i}; the mass on the kept set is averaged over the rows
     read (the last `rows`, or all) and the heads. Without `sink`, column 0
-    counts neither as kept nor as attention to recover.
+    counts neither as kept nor as attention to recover. `hint` breaks ties.
     """
     G, L, _ = A.shape
     first = L - min(rows or L, L)
     fixed = set()
     for m in policy.members():
         if not isinstance(m, Local):
-            fixed |= keep(m, set(range(L)), L, L, flags, colsum, first_query=first, last=last)
+            fixed |= keep(m, set(range(L)), L, L, flags, colsum, hint, first, last)
     mask = torch.zeros(L, L, dtype=torch.bool)
     mask[:, sorted(fixed)] = True
     for m in policy.members():
@@ -183,24 +184,28 @@ class Reference:
                 last = A[:, -1].mean(0).tolist()  # from the last row alone
                 self.first[s] = first
                 self.recovery[s] = torch.tensor([
-                    brute_recovery(p, A, L, self.flags[b], colsum, self.rows, self.sink, last)
-                    for p in self.policies])
+                    brute_recovery(p, A, L, self.flags[b], colsum, self.rows, self.sink, last,
+                                   state.prompt_kept[s][i])
+                    for i, p in enumerate(self.policies)])
                 self.choice.append(self.choose(self.recovery[s], state.choice[s]))
                 self.k[s], self.v[s] = kk, vv
                 for i, p in enumerate(self.policies):
                     self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], colsum,
-                                                  state.kept[s] if i == state.choice[s] else (),
-                                                  first, last)
+                                                  state.prompt_kept[s][i], first, last)
                 self.policy[s] = self.policies[self.choice[s]]
                 self.kept[s] = self.prompt_keep[s, self.choice[s]]
                 self.score[s] = {j: colsum[j] for j in self.kept[s]}
         if self.budget is not None and len(self.policies) > 1:
             # The choice is the cache's (tests/test_profiling.py checks the knapsack
             # against brute force); here, that it is within the budget.
-            cost = sum(len(self.prompt_keep[s, c]) for s, c in enumerate(self.choice))
-            cheapest = sum(min(len(self.prompt_keep[s, i]) for i in range(len(self.policies)))
-                           for s in range(len(self.choice)))
-            assert cost <= max(int(self.budget * K * sum(self.lens)), cheapest)
+            cost = [[len(self.prompt_keep[s, i]) for i in range(len(self.policies))]
+                    for s in range(len(self.choice))]
+            prompt_cost = sum(cost[s][c] for s, c in enumerate(self.choice))
+            # What the cache adds for the new tokens is between 0 and one per token.
+            new = state.max_new_tokens - 1
+            cheapest = sum(map(min, cost))
+            assert prompt_cost <= max(int(self.budget * K * sum(L + new for L in self.lens)),
+                                      cheapest + new * len(cost))
         return y
 
     def choose(self, recovery, cache_choice):
@@ -251,6 +256,7 @@ class State:
     def __init__(self, cache):
         S = len(cache.choice)
         self.choice = cache.choice.tolist()
+        self.max_new_tokens = cache.max_new_tokens
         self.kept: list[dict[int, float]] = [None] * S
         self.free = [None] * S
         for bucket in cache.buckets:
@@ -291,13 +297,21 @@ class CheckedCache(nn.Module):
 
     def forward(self, q, k, v, input_pos, tokens):
         prefill = self.cache.buckets is None
-        if not prefill:
+        if prefill:
+            # What each policy keeps of the prompt by the cache's own ranking: the
+            # reference breaks its near-ties (float32 against float64) the same way.
+            prompt, _ = self.cache.profile(q, k, tokens, self.cache.rows, self.cache.sink)
+            keeps = [p.keep(prompt) for p in self.cache.policies]
+            kept = [[set(prompt.pos[s][keep[s]].tolist()) for keep in keeps]
+                    for s in range(len(prompt.pos))]
+        else:
             self.cache.reserve()
             before = State(self.cache)
             assert min(before.free) >= 1, "reserve left a segment without a free slot"
         y = self.cache(q, k, v, input_pos, tokens)
         state = State(self.cache)
         if prefill:
+            state.prompt_kept = kept
             expected = self.ref.prefill(q, k, v, tokens, state)
             torch.testing.assert_close(self.cache.recovery.double(), self.ref.recovery,
                                        atol=1e-4, rtol=0)

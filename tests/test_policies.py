@@ -240,3 +240,15 @@ def test_ceil_share_matches_exact_arithmetic():
         n = torch.arange(0, 200)
         expected = [math.ceil(Fraction(str(r)) * int(i)) for i in n]
         assert share(r, n).tolist() == expected, r
+
+
+def test_growth_is_the_share_of_new_tokens_held():
+    # Prompt of 10: 2 special (position 0 is the sink, not counted), 3 punctuation.
+    s = slots(list(range(10)), flags=[SPECIAL, 0, PUNCT, 0, PUNCT, SPECIAL, 0, PUNCT, 0, 0])
+    assert Special().growth(s).tolist() == pytest.approx([0.2])
+    assert Punct().growth(s).tolist() == pytest.approx([0.3])
+    assert Frequent(0.25).growth(s).tolist() == [0.25]
+    for fixed in (Local(0.5), Sink(4), TOVA(0.3)):
+        assert fixed.growth(s).tolist() == [0.0]
+    for every in (Full(), SnapKV(0.3), Frequent(0.9) | Punct() | Special()):
+        assert every.growth(s).tolist() == [1.0]
