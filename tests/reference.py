@@ -314,7 +314,8 @@ class CheckedCache(nn.Module):
             state.prompt_kept = kept
             expected = self.ref.prefill(q, k, v, tokens, state)
             torch.testing.assert_close(self.cache.recovery.double(), self.ref.recovery,
-                                       atol=1e-4, rtol=0)
+                                       atol=1e-4, rtol=0,
+                                       msg=lambda m: f"{m}\n{self.cache.recovery}\n{self.ref.recovery}\n{kept}")
             assert state.choice == self.ref.choice
             for b, L in enumerate(self.ref.lens):
                 torch.testing.assert_close(y[b, :, :L].double(), expected[b, :, :L],

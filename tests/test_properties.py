@@ -32,7 +32,7 @@ def policy_lists(draw):
     sink = draw(st.integers(1, 4))
     pool = [Special(), Punct(), Local(r_local), Frequent(r_frequent, by), Sink(sink), Full(),
             Sink(sink) | Local(r_local), Frequent(r_frequent, by) | Local(r_local),
-            TOVA(r_frequent), SnapKV(r_local + 0.2, window=sink, kernel=3), Local(r_frequent),
+            TOVA(r_frequent), SnapKV(round(r_local + 0.2, 2), window=sink, kernel=3), Local(r_frequent),
             *shortlist(r_local, r_frequent, by)[1:4]]
     options = dict(rows=draw(st.sampled_from([None, 1, 3, 8])), sink=draw(st.booleans()))
     kind = draw(st.sampled_from(["shortlist", "fixed", "mix"]))
