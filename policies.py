@@ -77,7 +77,7 @@ class Policy:
     def growth(self, prompt: Slots) -> torch.Tensor:
         """(N,) the share of new tokens it will hold on to, as the budget mode
         counts its cost; read off the prompt where it depends on the text."""
-        return torch.zeros(prompt.pos.shape[0])
+        return prompt.pos.new_zeros(prompt.pos.shape[0], dtype=torch.float32)
 
     def members(self) -> tuple[Policy, ...]:
         return (self,)
@@ -151,7 +151,7 @@ class Frequent(Policy):
         return top(s.mean_score.masked_fill(newest, float("inf")), s.valid, share(self.r, s.seen))
 
     def growth(self, prompt):
-        return torch.full((prompt.pos.shape[0],), self.r)
+        return prompt.pos.new_full((prompt.pos.shape[0],), self.r, dtype=torch.float32)
 
     def __repr__(self):
         return f"Frequent({self.r:g})" if self.by == "sum" else f"Frequent({self.r:g}, mean)"
@@ -174,7 +174,7 @@ class Full(Policy):
         return s.valid
 
     def growth(self, prompt):
-        return torch.ones(prompt.pos.shape[0])
+        return prompt.pos.new_ones(prompt.pos.shape[0], dtype=torch.float32)
 
 
 class TOVA(Policy):
@@ -208,7 +208,7 @@ class SnapKV(Policy):
         return (s.valid & recent) | top(pooled, s.valid & ~recent, budget)
 
     def growth(self, prompt):
-        return torch.ones(prompt.pos.shape[0])
+        return prompt.pos.new_ones(prompt.pos.shape[0], dtype=torch.float32)
 
 
 class Union(Policy):

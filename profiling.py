@@ -128,7 +128,7 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int) -> torch.
     by dynamic programming over the budget. When even the cheapest items do
     not fit, the cheapest."""
     S, M = values.shape
-    cost = costs.tolist()
+    cost, value = costs.tolist(), values.tolist()  # small; one host copy each
     if sum(map(min, cost)) > budget:
         return costs.argmin(1)
     best = torch.zeros(budget + 1, dtype=torch.float64)  # best[j]: the best value costing <= j
@@ -137,7 +137,7 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int) -> torch.
         options = torch.full((M, budget + 1), -math.inf, dtype=torch.float64)
         for m, c in enumerate(cost[s]):
             if c <= budget:
-                options[m, c:] = best[:budget + 1 - c] + float(values[s, m])
+                options[m, c:] = best[:budget + 1 - c] + value[s][m]
         best, pick = options.max(0)
         picks.append(pick)
     choice, j = [], budget
@@ -145,4 +145,4 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int) -> torch.
         m = int(picks[s][j])
         choice.append(m)
         j -= cost[s][m]
-    return torch.tensor(choice[::-1])
+    return torch.tensor(choice[::-1], device=costs.device)
