@@ -67,7 +67,7 @@ class Config:
     options: dict
 
 
-def configs(thresholds, budgets, paper_thresholds=(), ablation=False) -> list[Config]:
+def configs(thresholds, budgets, paper_thresholds=(), ablation=False, kinds=None) -> list[Config]:
     """The full cache; FastGen as the paper states it (threshold T), with the new
     defaults in threshold and budget modes; the fixed policies at each budget;
     with `ablation`, the budget mode at the middle budget with one choice changed."""
@@ -83,7 +83,7 @@ def configs(thresholds, budgets, paper_thresholds=(), ablation=False) -> list[Co
         out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
                 for name, o in undo.items()]
     out += [Config(f"{kind} b={b:g}", kind, {"kv_budget": b}) for kind in BASELINES for b in budgets]
-    return out
+    return [c for c in out if kinds is None or c.name == "full" or family(c.name) in kinds]
 
 
 # --- Prefill once, replay every configuration --------------------------------
@@ -310,6 +310,8 @@ def report(rows, meta, peer_error) -> str:
              f"{meta['runtime_s'] / 60:.1f} min"
              + (f" (+ {meta['peer_runtime_s'] / 60:.1f} min for the peer)" if meta["peer"] else "")
              + ".\n", f"    {meta['command']}\n",
+             *([f"Rows this run did not measure come from `{meta['added_rows']}` (same windows "
+                "and cases).\n"] if meta.get("added_rows") else []),
              f"Model: `{meta['model']}`. Text (`{meta.get('text', 'pydoc')}`): {meta['windows']} windows of {meta['prompt_len']} "
              f"prompt + {meta['new_tokens']} continuation tokens of real text (`textdata`, seed "
              f"{meta['seed']}), teacher-forced. Passkey: {meta['passkeys']} cases of "
@@ -421,6 +423,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
          ablation: bool = False, text: str = "pydoc", batch: int = 30, r_local: float = 0.3,
          r_frequent: float = 0.3, seed: int = 0, peer: str | None = None,
          peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
+         kinds=None, add_rows: str | None = None,
          threads: int | None = None, command: str | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics)."""
@@ -450,7 +453,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
     if max(prompt_len + new_tokens, longest) > model.args.max_seq_len:
         raise ValueError(f"{max(prompt_len + new_tokens, longest)} tokens exceed the model's "
                          f"context of {model.args.max_seq_len}")
-    cfgs = configs(thresholds, budgets, paper_thresholds, ablation)
+    cfgs = configs(thresholds, budgets, paper_thresholds, ablation, kinds)
     run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent)
     rows = text_quality(model, texts, new_tokens, cfgs, **run)
     for name, r in (passkey(model, tok, cases, passkey_tokens, cfgs, **run) if cases else {}).items():
@@ -470,6 +473,9 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
         got = dict(info=earlier["meta"].get("peer_info"))
         rows |= {f"{n} ({earlier['meta']['date']})": r for n, r in earlier["rows"].items()
                  if n.startswith("kvpress") or n == "full (kvpress)"}
+    if add_rows:  # the rows of an earlier run on the same windows and cases that this one lacks
+        earlier = json.loads(Path(add_rows).read_text())
+        rows |= {n: r for n, r in earlier["rows"].items() if n not in rows}
     meta = dict(machine=machine(), torch=torch.__version__, date=datetime.date.today().isoformat(),
                 command=command or "python evaluate.py" + (" --quick" if quick else ""),
                 model=Path(ckpt).name, windows=windows, prompt_len=prompt_len,
@@ -478,7 +484,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
                 passkey_format="ChatML" if passkey_chat else "plain", r_local=r_local,
                 r_frequent=r_frequent, runtime_s=ours_s, peer_runtime_s=time.perf_counter() - t0 - ours_s,
                 peer=peer or peer_rows, peer_info=got.get("info") if peer or peer_rows else None,
-                text=text)
+                text=text, added_rows=add_rows)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(report(rows, meta, peer_error))
@@ -526,6 +532,10 @@ def parse_args(argv=None):
                    "each change undone in turn (sum scores, all rows, sink dropped)")
     p.add_argument("--peer-rows", help="add the kvpress rows of an earlier run's OUT.json "
                    "(same windows and cases), labelled with its date")
+    p.add_argument("--kinds", nargs="+", help="run only these families (e.g. fastgen-budget "
+                   "h2o); the full cache always runs")
+    p.add_argument("--add-rows", help="add the rows of an earlier run's OUT.json (same "
+                   "windows and cases) that this run does not have")
     p.add_argument("--budgets", type=float, nargs="*", default=[0.25, 0.5, 0.75],
                    help="FastGen budgets and fixed policies' budgets: share of the prompt kept per head (none: "
                         "no fixed-policy rows)")
