@@ -284,6 +284,16 @@ def interpolate(points, x):
     return pts[0][1]
 
 
+def near(points, x, tol=0.03):
+    """`interpolate`, or the value of the end point within `tol` of x."""
+    v = interpolate(points, x)
+    pts = sorted(p for p in points if p[1] is not None)
+    if v is None and pts:
+        end = min(pts, key=lambda p: abs(p[0] - x))
+        v = end[1] if abs(end[0] - x) <= tol else None
+    return v
+
+
 # (key, title, x-axis key, which of two values is better)
 METRICS = [("kl", "KL(full || compressed) per token, lower is better", "share", min),
            ("top1", "top-1 agreement with the full cache, higher is better", "share", max),
@@ -335,15 +345,16 @@ def report(rows, meta, peer_error) -> str:
     others = [f for f in dict.fromkeys(map(family, rows)) if f != "full" and not ours(f)]
     fastgen = {n: r for n, r in rows.items() if ours(family(n))}
     lines += ["\n## Every family at the same KV shares\n",
-              "Each family's points interpolated at allocated-byte shares 0.25, 0.5 and 0.75 "
-              "(a dash: its points do not reach that share). Passkey at the passkey runs' shares.\n",
+              "Each family's points interpolated at allocated-byte shares 0.25, 0.5 and 0.75; "
+              "a share up to 0.03 beyond a family's last point takes that point's value (a dash: "
+              "further). Passkey at the passkey runs' shares.\n",
               "| family | " + " | ".join(f"{key} @{x}" for key, *_ in METRICS for x in SHARES) + " |",
               "|---" * (1 + len(METRICS) * len(SHARES)) + "|"]
     for f in dict.fromkeys(map(family, rows)):
         if f == "full":
             continue
-        cells = [fmt(interpolate([(r[share], r.get(key)) for n, r in rows.items()
-                                  if family(n) == f and r.get(share) is not None], x), key)
+        cells = [fmt(near([(r[share], r.get(key)) for n, r in rows.items()
+                           if family(n) == f and r.get(share) is not None], x), key)
                  for key, _, share, _ in METRICS for x in SHARES]
         lines.append(f"| {f} | " + " | ".join(cells) + " |")
     lines.append("\n## Equal memory: each fixed policy interpolated at FastGen's KV share\n")
