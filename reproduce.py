@@ -30,8 +30,12 @@ def steps(args) -> tuple[list[tuple[str, list[str]]], list[str]]:
     light = [] if args.full or args.quick else ["--runs", "1"]
     return [
         ("attention study", ["attention_study.py", "--out", str(out)]),
-        ("quality and passkey", ["evaluate.py", "--out", str(out / "quality")]
-         + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else [])),
+        ("quality and passkey", ["evaluate.py", "--out", str(out / "quality"), "--ablation"]
+         + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else
+            [] if args.quick else ["--peer-rows", str(HERE / "results/kvpress_2026-11-29.json")])),
+        *([] if args.quick else [("quality on news prose", [
+            "evaluate.py", "--out", str(out / "quality_news"), "--text", "news", "--passkeys", "0",
+            "--paper-thresholds", "0.9", "0.98"])]),
         ("speed against transformers", ["bench.py", "--out", str(out / "bench.md")]
          + (["--compile", "none"] if light else []) + light),
         ("speed and memory scaling", ["scaling.py", "--out", str(out / "scaling")] + light),
