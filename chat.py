@@ -183,7 +183,7 @@ class Chat:
 def interactive(prompt=None, *, json_lines=False, prompt_file=None, save_plan=None, ckpt=None,
                 max_new_tokens=128, temperature=0.0, top_k=None, top_p=1.0, seed=0,
                 device="cpu", dtype="float32", compile=False, chat=True, kv="full",
-                recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=None,
+                recovery=None, r_local=0.3, r_frequent=0.3, kv_budget=None,
                 allow_pickle=False, **fastgen_options) -> int:
     """The chat loop of `generate.py --interactive`: one user turn per line of standard input.
     The answer streams to stdout (or, with json_lines, one JSON object per turn); the cache's

@@ -1,7 +1,7 @@
 """Generate text with a Llama whose KV cache is full or FastGen-compressed.
 
     python generate.py --prompt "The capital of France is"
-    python generate.py --chat --prompt "Name three rivers." --kv fastgen --recovery 0.95
+    python generate.py --chat --prompt "Name three rivers." --kv fastgen --kv-budget 0.5
     python generate.py --ckpt model.Q8_0.gguf --interactive --kv fastgen
 
 `main(...)` is also the Python API; it returns a `Generation`.
@@ -127,16 +127,17 @@ def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
 
 
 def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tokens: int,
-                token_flags=None, recovery=0.95, r_local=0.3, r_frequent=0.3, kv_budget=None,
+                token_flags=None, recovery=None, r_local=0.3, r_frequent=0.3, kv_budget=None,
                 hh_score="mean", obs_window=32, sink_mass="count", paper=False):
     """One cache per layer: dense for `full`, compressed for the others.
 
-    fastgen: the paper's shortlist under the threshold `recovery`, or with
-    `kv_budget` the menu of policies under that byte budget. `paper` is the
-    paper's literal reading (heavy hitters by summed attention, profiling over
-    every prompt row, the sink's mass counted); otherwise `hh_score`,
-    `obs_window` (0: every row) and `sink_mass` choose. The fixed policies
-    keep `kv_budget` (default 0.5) of the prompt.
+    fastgen: with `recovery` T, the paper's shortlist under that threshold;
+    otherwise the budget mode, the menu of policies under `kv_budget` (default
+    0.5), which measured best (README, Results). `paper` is the paper's literal
+    method (threshold T, default 0.95; heavy hitters by summed attention,
+    profiling over every prompt row, the sink's mass counted); otherwise
+    `hh_score`, `obs_window` (0: every row) and `sink_mass` choose. The fixed
+    policies keep `kv_budget` (default 0.5) of the prompt.
     """
     a, w = model.args, model.tok_embeddings.weight
     if kv == "full":
@@ -148,12 +149,12 @@ def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tok
     if paper:
         hh_score, obs_window, sink_mass = "sum", 0, "count"
     options = dict(rows=obs_window or None, sink=sink_mass == "count")
-    if kv == "fastgen" and kv_budget is not None and not paper:
-        policies = menu(r_local, r_frequent, hh_score)
-        options.update(budget=kv_budget)
-    elif kv == "fastgen":
+    if kv == "fastgen" and (paper or recovery is not None):
         policies = shortlist(r_local, r_frequent, hh_score)
-        options.update(threshold=recovery)
+        options.update(threshold=0.95 if recovery is None else recovery)
+    elif kv == "fastgen":
+        policies = menu(r_local, r_frequent, hh_score)
+        options.update(budget=0.5 if kv_budget is None else kv_budget)
     else:  # the fixed policies as their authors define them
         policy = baseline(kv, 0.5 if kv_budget is None else kv_budget)
         policies, options = [policy], dict(rows=policy.window if isinstance(policy, SnapKV) else None)
@@ -343,7 +344,7 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
     need(temperature >= 0, f"--temperature must be >= 0 (got {temperature}); 0 is greedy")
     need(top_k is None or top_k >= 1, f"--top-k must be at least 1 (got {top_k})")
     need(0 < top_p <= 1, f"--top-p must be in (0, 1] (got {top_p})")
-    need(0 < recovery <= 1, f"--recovery must be in (0, 1] (got {recovery})")
+    need(recovery is None or 0 < recovery <= 1, f"--recovery must be in (0, 1] (got {recovery})")
     for flag, r in (("--r-local", r_local), ("--r-frequent", r_frequent), ("--kv-budget", kv_budget)):
         need(r is None or 0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
     need(kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {kv!r})")
@@ -390,7 +391,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          ckpt: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
          top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
-         recovery: float = 0.95, r_local: float = 0.3, r_frequent: float = 0.3,
+         recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
          sink_mass: str = "count", paper: bool = False, save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
@@ -412,6 +413,9 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
                    kv_budget, kv, device, dtype, seed, save_plan)
         if obs_window < 0:
             raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
+        if kv == "fastgen" and recovery is not None and kv_budget is not None:
+            raise UsageError("--recovery (threshold mode) and --kv-budget (budget mode) choose two "
+                             "different FastGens; give one of them")
         texts = read_prompts(prompt, prompt_file)
     # The same seed on every rank: the ranks sample the same tokens from the same logits.
     torch.manual_seed(seed)
@@ -521,12 +525,12 @@ def parse_args(argv=None):
                         "tokens + window), h2o (heavy hitters + window), tova (the "
                         "tokens the latest query attends to most), snapkv (what the "
                         "prompt's last 32 queries attend to, plus them) (default full)")
-    p.add_argument("--recovery", type=float, default=0.95, help="fastgen, threshold mode: "
-                   "share of each head's prompt attention its policy must recover, the "
-                   "paper's T (default 0.95)")
-    p.add_argument("--kv-budget", type=float, help="fastgen: budget mode instead of the "
-                   "threshold: each head takes the policy that maximizes the layer's "
-                   "recovered attention with at most this share of the prompt's tokens kept; "
+    p.add_argument("--recovery", type=float, help="fastgen: threshold mode, the paper's: each "
+                   "head takes the first policy of the shortlist that recovers this share T of "
+                   "its prompt attention (with --paper, default 0.95)")
+    p.add_argument("--kv-budget", type=float, help="fastgen (the default mode): each head "
+                   "takes the policy of the menu that maximizes the layer's recovered attention "
+                   "with all heads within this share of a full cache's tokens (default 0.5); "
                    "local/sink/h2o/tova/snapkv: share of the prompt each head keeps (default 0.5)")
     p.add_argument("--paper", action="store_true", help="fastgen: the paper's literal method "
                    "(threshold mode, heavy hitters by summed attention, profiling over every "
