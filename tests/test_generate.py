@@ -61,9 +61,12 @@ def test_same_seed_same_sample(tiny_ckpt):
     (["--prompt", "hi", "--max-new-tokens", "100000"], 2, "context"),
     (["--prompt", "hi", "--device", "cuda"], 2, "--device"),
     (["--prompt", "hi", "--kv", "nope"], 2, "--kv"),
+    (["--prompt", "hi", "--kv", "fastgen", "--recovery", "0.9", "--kv-budget", "0.5"], 2,
+     "give one of them"),
+    (["--prompt", "hi", "--kv", "fastgen", "--obs-window", "-1"], 2, "--obs-window"),
 ])
 def test_cli_usage_errors(tiny_ckpt, capsys, args, status, words):
-    if "--kv" in args:  # argparse's own check
+    if "nope" in args:  # argparse's own check
         with pytest.raises(SystemExit) as e:
             cli(["--ckpt", str(tiny_ckpt), *args])
         assert e.value.code == status
@@ -101,3 +104,14 @@ def test_sentencepiece_round_trip(tmp_path):
     assert tok.decode(ids) == "The lazy fox, 42!"
     assert {1, 2} <= set(tok.special_ids) and tok.eos_ids == [2]
     assert any(tok.decode([i]) == "," for i in tok.punctuation_ids())
+
+
+def test_fastgen_modes(tiny_ckpt):
+    """Without --recovery, FastGen runs the budget mode over the menu; with it, or
+    with --paper, the shortlist under the threshold."""
+    from policies import menu, shortlist
+    kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=4, kv="fastgen")
+    names = lambda g: {p for layer in g.plan for p in layer}  # noqa: E731
+    assert names(main("Hello there", **kw)) <= {repr(p) for p in menu()}
+    assert names(main("Hello there", recovery=0.9, **kw)) <= {repr(p) for p in shortlist(by="mean")}
+    assert names(main("Hello there", paper=True, **kw)) <= {repr(p) for p in shortlist()}
