@@ -106,9 +106,10 @@ def test_cli_with_compile(ckpts, tmp_path):
     from generate import main
     plan = tmp_path / "plan.json"
     r = torchrun(2, "generate.py", "--ckpt", ckpts[2], "--prompt", PROMPTS[0], "--max-new-tokens",
-                 8, "--kv", "fastgen", "--save-plan", plan, "--compile")
+                 8, "--kv", "fastgen", "--recovery", 0.9, "--save-plan", plan, "--compile")
     assert r.returncode == 0, r.stderr
-    alone = main(PROMPTS[0], ckpt=str(ckpts[2]), max_new_tokens=8, kv="fastgen")
+    # The threshold mode: the budget mode shares a budget among each rank's own heads.
+    alone = main(PROMPTS[0], ckpt=str(ckpts[2]), max_new_tokens=8, kv="fastgen", recovery=0.9)
     assert r.stdout == alone.texts[0] + "\n"
     assert r.stderr.count("KV cache allocated") == 1 and "per rank" in r.stderr
     assert json.loads(plan.read_text())["n_kv_heads"] == 2
