@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from policies import PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special
+from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
+                      Union)
 
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
@@ -116,10 +117,10 @@ def brute_recovery(policy, A, prompt_len, flags, colsum, rows=None, sink=True, l
     """
     G, L, _ = A.shape
     first = L - min(rows or L, L)
-    fixed = set()
-    for m in policy.members():
-        if not isinstance(m, Local):
-            fixed |= keep(m, set(range(L)), L, L, flags, colsum, hint, first, last)
+    # The members other than Local at once, so that a tie is broken as for the union.
+    others = [m for m in policy.members() if not isinstance(m, Local)]
+    fixed = keep(Union(*others), set(range(L)), L, L, flags, colsum, hint, first, last) \
+        if others else set()
     mask = torch.zeros(L, L, dtype=torch.bool)
     mask[:, sorted(fixed)] = True
     for m in policy.members():
