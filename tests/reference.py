@@ -38,6 +38,8 @@ def ceil_share(r: float, n: int) -> int:
 def top(held, score, budget, prefer=()):
     """The `budget` held tokens with the largest scores. Scores within TIE of the
     last one taken are ties; among ties, tokens in `prefer` go first."""
+    if budget <= 0:
+        return set()
     if budget >= len(held):
         return set(held)
     ranked = sorted(held, key=lambda j: -score[j])
