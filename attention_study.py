@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import generate as gen_
-from cache import _groups
+from cache import bucket_groups
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from profiling import choose
@@ -75,7 +75,7 @@ def derive(model, rec, kept, threshold):
         for p in choice[l].unique():
             # Heads of one policy holding about as much share a bucket as wide as the fullest.
             sizes = sorted(n_kept[l][choice[l] == p].tolist())
-            for g in _groups(sizes):
+            for g in bucket_groups(sizes):
                 nbytes += len(sizes[g]) * (max(sizes[g]) * per_slot + 24)
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 

@@ -40,6 +40,11 @@ GROW = 8
 SPREAD = 1.05
 
 
+def pad_slots(t: torch.Tensor, extra: int, empty) -> torch.Tensor:
+    """`extra` more slots (dim 1) filled with `empty`; t is (n, C) or (n, C, D)."""
+    return F.pad(t, (0, 0, 0, extra) if t.dim() == 3 else (0, extra), value=empty)
+
+
 class Bucket(nn.Module):
     """Segments of one layer that follow the same policy."""
 
@@ -60,8 +65,7 @@ class Bucket(nn.Module):
             taken = src.gather(1, order if src.dim() == 2 else order[..., None].expand(n, w, D))
             taken = torch.where(held if src.dim() == 2 else held[..., None], taken.to(dtype),
                                 torch.tensor(empty, dtype=dtype))
-            return F.pad(taken, (0, 0, 0, width - w) if src.dim() == 3 else (0, width - w),
-                         value=empty)
+            return pad_slots(taken, width - w, empty)
 
         buffer = lambda name, t: self.register_buffer(name, t, persistent=False)  # noqa: E731
         buffer("k", fill(k, 0, k.dtype))
@@ -107,9 +111,7 @@ class Bucket(nn.Module):
     def widen(self, extra: int):
         self.growths += 1
         for name, empty in (("k", 0), ("v", 0), ("pos", -1), ("score", 0), ("flags", 0)):
-            t = getattr(self, name)
-            pad = (0, 0, 0, extra) if t.dim() == 3 else (0, extra)
-            setattr(self, name, F.pad(t, pad, value=empty))
+            setattr(self, name, pad_slots(getattr(self, name), extra, empty))
 
     def kept(self) -> int:
         return int((self.pos >= 0).sum())
@@ -121,7 +123,7 @@ def _clock(device) -> float:
     return time.perf_counter()
 
 
-def _groups(sizes: list[int]) -> list[slice]:
+def bucket_groups(sizes: list[int]) -> list[slice]:
     """Runs of sorted sizes, each within SPREAD (plus GROW) of its first."""
     out, start = [], 0
     for i, size in enumerate(sizes):
@@ -202,7 +204,7 @@ class FastGenCache(nn.Module):
             seg = (self.choice == i).nonzero()[:, 0]
             kept = keeps[i][seg].sum(1)
             seg = seg[kept.argsort(stable=True)]
-            for g in _groups(sorted(kept.tolist())) if len(seg) else []:
+            for g in bucket_groups(sorted(kept.tolist())) if len(seg) else []:
                 s = seg[g]
                 buckets.append(Bucket(policy, s, prompt[s], keeps[i][s], keys[s], values[s], room))
         self.buckets = nn.ModuleList(buckets)

@@ -263,6 +263,23 @@ def test_bytes_shrink_as_the_threshold_goes_down():
 BACKEND = "aot_eager"
 
 
+def fresh_compile():
+    """The decode step compiled from scratch, and dynamo's counters, cleared."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    return torch.compile(decode_one_token, fullgraph=True, backend=BACKEND), counters
+
+
+def first_token(model, prompts):
+    """Prefill through the attached caches: the greedy first token (B, 1) and the lengths."""
+    tokens, lens = padded(prompts)
+    B, T = tokens.shape
+    logits = model(tokens, torch.arange(T).expand(B, T))[torch.arange(B), lens - 1]
+    return logits.argmax(-1)[:, None], lens
+
+
 @pytest.mark.parametrize("kv", ["full", "fastgen"])
 def test_decode_compiles_once_without_graph_breaks(kv):
     import torch._dynamo
@@ -275,16 +292,10 @@ def test_decode_compiles_once_without_graph_breaks(kv):
     expected = greedy(model, prompts, caches, max_new).argmax(-1)
     if kv == "fastgen":
         assert all(len(c.buckets) == 2 for c in caches)
-    tokens, lens_t = padded(prompts)
-    B, T = tokens.shape
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    step = torch.compile(decode_one_token, fullgraph=True, backend=BACKEND)
+    step, counters = fresh_compile()
     with torch.no_grad():
         model.setup_caches(make_caches(model, kv, lens, max_new, flags, recovery=0.75))
-        logits = model(tokens, torch.arange(T).expand(B, T))[torch.arange(B), lens_t - 1]
-        cur = logits.argmax(-1)[:, None]
+        cur, lens_t = first_token(model, prompts)
         out = [cur]
         cur = step(model, cur, lens_t[:, None])  # compiles
         out.append(cur)
@@ -322,18 +333,12 @@ def test_buckets_grow_with_what_they_hold_and_recompile_only_then():
     prompts = prompts_of(lens, seed=7)
     expected = greedy(model, prompts, fastgen_caches(model, [Full()], lens, max_new, None),
                       max_new).argmax(-1)
-    tokens, lens_t = padded(prompts)
-    B, T = tokens.shape
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    step = torch.compile(decode_one_token, fullgraph=True, backend=BACKEND)
+    step, counters = fresh_compile()
     caches = fastgen_caches(model, [Full()], lens, max_new, None)
     compiled_at, grew_at = [], []
     with torch.no_grad():
         model.setup_caches(caches)
-        logits = model(tokens, torch.arange(T).expand(B, T))[torch.arange(B), lens_t - 1]
-        cur = logits.argmax(-1)[:, None]
+        cur, lens_t = first_token(model, prompts)
         out = [cur]
         for i in range(max_new - 1):
             growths = sum(c.growths() for c in caches)
