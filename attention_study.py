@@ -6,11 +6,11 @@ mix per layer, and whether the profiled policies still hold while decoding.
 
 1. Sweep. Each prompt is prefilled once, through FastGen caches told to keep
    everything (T = 1): their profiling gives every shortlist policy's recovery
-   per KV head, and their one bucket holds the prompt's slots (positions,
+   per KV head, and their one group holds the prompt's slots (positions,
    heavy-hitter scores, flags), on which each policy's `keep` counts what it
    would keep. `profiling.choose` then gives each head's policy for every T
    from these same numbers, and the bytes follow from the kept counts and
-   cache.py's bucket layout. On the first `--n-check` prompts the real cache
+   cache.py's page layout. On the first `--n-check` prompts the real cache
    runs at every T and must allocate exactly those bytes and make the same
    plan. Bytes are taken at the end of prefill (max_new_tokens=1), so no decode
    capacity is reserved on either side.
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import generate as gen_
-from cache import bucket_groups
+from cache import PAGE, group_pages
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from profiling import choose
@@ -54,9 +54,9 @@ def profile_prompt(model, prompt, flags, policies):
     model.setup_caches(None)
     rec, kept = [], []
     for c in caches:
-        (full,) = c.buckets  # threshold 1: every head is Full, one bucket, segments in order
-        s = Slots(full.pos[:, :T], full.score[:, :T], full.flags[:, :T],
-                  full.prompt_len, full.prompt_len)
+        (full,) = c.groups  # threshold 1: every head is Full, one group, segments in order
+        s = c.slots(full)
+        s = Slots(s.pos[:, :T], s.score[:, :T], s.flags[:, :T], s.prompt_len, s.prompt_len)
         rec.append(c.recovery)
         kept.append(torch.stack([p.keep(s).sum(-1) for p in policies], dim=1))
     return torch.stack(rec), torch.stack(kept)
@@ -65,9 +65,10 @@ def profile_prompt(model, prompt, flags, policies):
 def derive(model, rec, kept, threshold):
     """What the cache does at `threshold`: each head's policy (L, K), its recovery
     and kept tokens (L, K), and the bytes the cache allocates."""
-    # cache.py's Bucket: K and V (D values each), pos int32, score float32 and
-    # flags uint8 per slot; seg, prompt_len and first_query int64 per segment.
-    per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
+    # cache.py's pool: K and V (D values each), pos int32, score and last float32,
+    # flags uint8 per slot; the owner int64 per page; seen, prompt_len,
+    # first_query and dest int64 per segment (and no free slots handed out yet).
+    per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 4 + 1
     choice = torch.stack([choose(r, threshold) for r in rec])  # (L, K)
     n_kept = kept.gather(2, choice[..., None])[..., 0]
     nbytes = 0
@@ -75,8 +76,8 @@ def derive(model, rec, kept, threshold):
         for p in choice[l].unique():
             # Heads of one policy holding about as much share a bucket as wide as the fullest.
             sizes = sorted(n_kept[l][choice[l] == p].tolist())
-            for g in bucket_groups(sizes):
-                nbytes += len(sizes[g]) * (max(sizes[g]) * per_slot + 24)
+            for g, pages in group_pages(sizes, room=0):
+                nbytes += len(sizes[g]) * (pages * (PAGE * per_slot + 8) + 32)
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 
 
@@ -132,9 +133,10 @@ class ProbedKVCache(KVCache):
 def held(cache, n_seen: int) -> torch.Tensor:
     """(S, n_seen) bool: the positions a FastGen layer cache holds now."""
     mask = torch.zeros(cache.choice.shape[0], n_seen, dtype=torch.bool)
-    for b in cache.buckets:
-        rows, cols = (b.pos >= 0).nonzero(as_tuple=True)
-        mask[b.seg[rows], b.pos[rows, cols].long()] = True
+    for g in cache.groups:
+        pos = cache.slots(g).pos
+        rows, cols = (pos >= 0).nonzero(as_tuple=True)
+        mask[g.seg[rows], pos[rows, cols].long()] = True
     return mask
 
 
@@ -152,7 +154,7 @@ class Variants(torch.nn.Module):
         self.cache = cache
 
     def forward(self, q, k, v, input_pos, tokens):
-        if self.cache.buckets is None:
+        if self.cache.groups is None:
             self.recovery = torch.stack([self.cache.profile(q, k, tokens, rows, sink)[1]
                                          for rows, sink in VARIANTS.values()])  # (V, S, P)
         return self.cache(q, k, v, input_pos, tokens)

@@ -3,134 +3,110 @@
 A cache *segment* is one (sequence, KV head) pair; a layer of batch B with K
 KV heads has B*K of them. At the end of prefill each segment gets a policy
 (by profiling, or a fixed one for the baselines) and keeps only the prompt
-tokens that policy keeps. Segments of a layer that share a policy and hold
-about as many tokens are stored together in a `Bucket`: dense (n, C, D)
-tensors, C slots per segment. A head that keeps 5% of the prompt therefore
-allocates about 5% of a full head's bytes.
+tokens that policy keeps.
 
-Each decode step, per bucket: write the new token into the segment's first
-free slot, attend over the slots in use, add the attention each token got to
-its score, and free the slots the policy no longer keeps. The shapes stay
-fixed from step to step, so the step compiles once; when a segment runs out
-of free slots the bucket grows by a few slots (`reserve`, called between
-steps), so the bytes allocated follow the tokens held instead of a bound
-reserved up front.
+Storage is one pool of pages per layer: K and V are (N, P, D), N pages of P
+slots, and every slot has a position (-1: empty), a heavy-hitter score, token
+flags and the attention the latest query gave it. Each segment owns a run of
+pages. Segments that share a policy and hold about as many tokens form a
+`Group`, whose pages sit together in the pool as an (n, C) block, C slots per
+segment, so that a policy reads them as the padded `Slots` it ranks. A head
+that keeps 5% of the prompt therefore allocates about 5% of a full head's
+bytes, rounded up to a page.
+
+A decode step does the same few operations whatever the policies: write each
+segment's new token into a free slot chosen in advance, attend over every page
+of the layer at once (a softmax per segment across its pages), and add the
+attention each token got to its score. Eviction is the policies' work, and it
+runs between steps (`reserve`), every `evict_every` steps: each group ranks
+its slots, frees what its policy no longer keeps, and every segment is handed
+its next free slots; a group that runs short grows by a page or more. So the
+step has fixed shapes and compiles once (again only after a growth), and the
+sorting that eviction needs is paid once per `evict_every` tokens. With
+`evict_every=1` the cache evicts after every token, as the paper describes.
 """
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import attend, causal_attention
+from model import causal_attention
 from policies import Policy, Slots
 from profiling import attention_sums, choose, fit_budget, local_ratios, recovery
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
-# S = B*K segments, n segments in a bucket, T prompt tokens, C bucket width,
-# D head dimension.
+# S = B*K segments, n segments in a group, T prompt tokens, N pages, P slots
+# per page, C = slots per segment in a group, D head dimension, E evict_every.
 
-# Free slots a bucket keeps ahead of its fullest segment, at least, once it
-# grows: a step adds at most one token, so it is checked every GROW steps or so.
-GROW = 8
-# Segments share a bucket while the largest holds at most this much more than
-# the smallest (plus GROW): the rest of a bucket's width is padding.
+PAGE = 16  # slots per page: a segment wastes at most PAGE - 1 slots to rounding
+EVICT_EVERY = 8  # tokens between evictions; each segment holds at most this many extra
+# Segments share a group while the largest holds at most this much more than
+# the smallest (plus a page): the rest of a group's width is padding.
 SPREAD = 1.05
 
-
-def pad_slots(t: torch.Tensor, extra: int, empty) -> torch.Tensor:
-    """`extra` more slots (dim 1) filled with `empty`; t is (n, C) or (n, C, D)."""
-    return F.pad(t, (0, 0, 0, extra) if t.dim() == 3 else (0, extra), value=empty)
+# The pool's per-slot tensors and what an empty slot holds.
+SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
 
 
-class Bucket(nn.Module):
-    """Segments of one layer that follow the same policy."""
+@dataclass
+class Group:
+    """Segments of one layer that follow the same policy, stored as an (n, C)
+    block of the pool: pages first .. first + n * pages, `pages` per segment."""
+    policy: Policy
+    seg: torch.Tensor  # (n,) segment ids
+    first: int = 0
+    pages: int = 1
 
-    def __init__(self, policy: Policy, seg, prompt: Slots, keep, k, v, room: int):
-        """seg: (n,) segment ids; prompt: their prompt tokens, (n, T), and
-        keep (n, T) the ones the policy keeps; k, v: (n, T, D) their
-        uncompressed prompt keys and values; room: free slots to leave."""
-        super().__init__()
-        self.policy = policy
-        n, T, D = k.shape
-        width = int(keep.sum(1).max()) + room
-        # Kept tokens first, in position order; they fill columns 0..kept-1.
-        order = (~keep).int().argsort(dim=1, stable=True)[:, :min(T, width)]
-        held = torch.arange(order.shape[1], device=k.device) < keep.sum(1, keepdim=True)  # (n, w)
+    def block(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's part of a pool tensor (N, P, ...) as (n, C, ...): a view."""
+        n = len(self.seg)
+        part = t[self.first:self.first + n * self.pages]
+        return part.reshape(n, self.pages * part.shape[1], *part.shape[2:])
 
-        def fill(src, empty, dtype):
-            w = order.shape[1]
-            taken = src.gather(1, order if src.dim() == 2 else order[..., None].expand(n, w, D))
-            taken = torch.where(held if src.dim() == 2 else held[..., None], taken.to(dtype),
-                                torch.tensor(empty, dtype=dtype))
-            return pad_slots(taken, width - w, empty)
 
-        buffer = lambda name, t: self.register_buffer(name, t, persistent=False)  # noqa: E731
-        buffer("k", fill(k, 0, k.dtype))
-        buffer("v", fill(v, 0, v.dtype))
-        buffer("pos", fill(prompt.pos, -1, torch.int32))
-        buffer("score", fill(prompt.score, 0, torch.float32))
-        buffer("flags", fill(prompt.flags, 0, torch.uint8))
-        buffer("seg", seg)
-        buffer("prompt_len", prompt.prompt_len)
-        buffer("first_query", prompt.first_query)
-        self.room = room  # steps that surely fit before the next look at `pos`
-        self.growths = 0
+def group_pages(sizes: list[int], room: int, page: int = PAGE) -> list[tuple[slice, int]]:
+    """Segments of one policy, their kept sizes sorted: runs within SPREAD (plus
+    a page) of the first, each with the pages per segment that hold its largest
+    size plus `room` new tokens."""
+    runs, start = [], 0
+    for i, size in enumerate(sizes):
+        if size > sizes[start] * SPREAD + page:
+            runs.append(slice(start, i))
+            start = i
+    runs.append(slice(start, len(sizes)))
+    return [(r, max(1, -(-(sizes[r.stop - 1] + room) // page))) for r in runs if sizes[r]]
 
-    def step(self, q, k, v, pos, flags):
-        """One decode step. q: (n, G, D); k, v: (n, D); pos, flags: (n,)."""
-        rows = torch.arange(k.shape[0], device=k.device)
-        col = (self.pos < 0).int().argmax(dim=1)  # the first free slot; `reserve` made one
-        self.k[rows, col] = k
-        self.v[rows, col] = v
-        self.pos[rows, col] = pos.to(self.pos.dtype)
-        self.flags[rows, col] = flags
-        self.score[rows, col] = 0.0
-        y, probs = attend(q, self.k, self.v, (self.pos >= 0)[:, None, :])
-        last = probs.mean(dim=1)  # (n, C), averaged over the G query heads
-        self.score += last
-        slots = Slots(self.pos, self.score, self.flags, pos[:, None] + 1, self.prompt_len,
-                      self.first_query, last)
-        self.pos.masked_fill_(~self.policy.keep(slots), -1)
-        return y
 
-    def reserve(self):
-        """Before a step: make sure every segment has a free slot. Looks at the
-        tensors (a host sync) only every few steps, and grows by at least GROW
-        slots, so compiled code sees a new shape rarely."""
-        if self.room == 0:
-            free = self.pos.shape[1] - int((self.pos >= 0).sum(1).max())
-            if free < GROW:
-                self.widen(2 * GROW - free)
-                free = 2 * GROW
-            self.room = free
-        self.room -= 1
+def paged_attention(q, k, v, held, owner):
+    """One query per segment over its pages.
 
-    def widen(self, extra: int):
-        self.growths += 1
-        for name, empty in (("k", 0), ("v", 0), ("pos", -1), ("score", 0), ("flags", 0)):
-            setattr(self, name, pad_slots(getattr(self, name), extra, empty))
-
-    def kept(self) -> int:
-        return int((self.pos >= 0).sum())
+    q: (S, G, D); k, v: (N, P, D) pages; held: (N, P) bool; owner: (N,) the
+    segment of each page. Returns the output (S, G, D) and the attention
+    probabilities (N, G, P) in float32. The softmax of a segment spans its
+    pages: each page's maximum and sum are combined per segment.
+    """
+    S, G, D = q.shape
+    N, P = held.shape
+    scores = ((q[owner] @ k.transpose(1, 2)) / math.sqrt(D)).float()  # (N, G, P)
+    scores = scores.masked_fill(~held[:, None], -math.inf)
+    per_page = owner[:, None].expand(N, G)
+    top = scores.new_full((S, G), -math.inf).scatter_reduce(0, per_page, scores.amax(-1), "amax")
+    e = (scores - top[owner][..., None]).exp()
+    total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
+    probs = e / total[owner][..., None]
+    y = scores.new_zeros(S, G, D).index_add_(0, owner, (probs.to(v.dtype) @ v).float())
+    return y.to(v.dtype), probs
 
 
 def _clock(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def bucket_groups(sizes: list[int]) -> list[slice]:
-    """Runs of sorted sizes, each within SPREAD (plus GROW) of its first."""
-    out, start = [], 0
-    for i, size in enumerate(sizes):
-        if size > sizes[start] * SPREAD + GROW:
-            out.append(slice(start, i))
-            start = i
-    return out + [slice(start, len(sizes))]
 
 
 class FastGenCache(nn.Module):
@@ -140,29 +116,38 @@ class FastGenCache(nn.Module):
     (the baselines), the paper's shortlist (each segment takes the first whose
     recovery reaches `threshold`), or a menu under `budget` (each segment takes
     the item that maximizes the layer's total recovery with the tokens its
-    items will hold at most `budget` of what a full cache holds). Profiling reads the last `rows`
-    prompt rows (None: all of them) and, unless `sink`, leaves the first
-    token's attention out of the recovery.
+    items will hold at most `budget` of what a full cache holds). Profiling
+    reads the last `rows` prompt rows (None: all of them) and, unless `sink`,
+    leaves the first token's attention out of the recovery. Eviction runs every
+    `evict_every` decode steps; pages hold `page` slots.
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
-                 rows: int | None = None, sink: bool = True):
+                 rows: int | None = None, sink: bool = True, evict_every: int = EVICT_EVERY,
+                 page: int = PAGE):
         super().__init__()
+        if evict_every < 1 or page < 1:
+            raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
         self.policies = list(policies)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
+        self.evict_every, self.page = evict_every, page
         self.max_new_tokens = max_new_tokens
         self.n_kv_heads = n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
         self.register_buffer("token_flags", token_flags, persistent=False)
-        self.buckets: nn.ModuleList | None = None
+        self.groups: list[Group] | None = None
         self.choice = self.recovery = None  # the plan, (S,) and (S, len(policies))
         self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
+        self.steps = 0  # decode steps reserved so far
+        self.n_growths = 0
 
     def forward(self, q, k, v, input_pos, tokens):
-        if self.buckets is None:
+        if self.groups is None:
             return self.prefill(q, k, v, tokens)
         return self.decode(q, k, v, input_pos, tokens)
+
+    # --- Prefill: profile, choose, compress -----------------------------------
 
     def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots, (S, T), scored by the attention of the rows read,
@@ -197,47 +182,163 @@ class FastGenCache(nn.Module):
             self.choice = fit_budget(self.recovery, costs, allowed)
         else:
             self.choice = choose(self.recovery, self.threshold)
-        keys, values = k.reshape(B * K, T, D), v.reshape(B * K, T, D)
-        room = min(2 * GROW, self.max_new_tokens - 1)
-        buckets = []
-        for i, policy in enumerate(self.policies):
-            seg = (self.choice == i).nonzero()[:, 0]
-            kept = keeps[i][seg].sum(1)
-            seg = seg[kept.argsort(stable=True)]
-            for g in bucket_groups(sorted(kept.tolist())) if len(seg) else []:
-                s = seg[g]
-                buckets.append(Bucket(policy, s, prompt[s], keeps[i][s], keys[s], values[s], room))
-        self.buckets = nn.ModuleList(buckets)
+        self.compress(prompt, keeps, k.reshape(B * K, T, D), v.reshape(B * K, T, D))
         self.profile_s = _clock(q.device) - t0
         return y
 
+    def compress(self, prompt: Slots, keeps, k, v):
+        """Build the pool from what each segment's policy keeps of its prompt.
+        k, v: (S, T, D) the uncompressed prompt keys and values."""
+        S, T, D = k.shape
+        P = self.page
+        room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
+        self.groups, blocks = [], {name: [] for name in SLOT_FIELDS}
+        sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score,
+                       last=prompt.last if prompt.last is not None else prompt.score,
+                       flags=prompt.flags)
+        for i, policy in enumerate(self.policies):
+            seg = (self.choice == i).nonzero()[:, 0]
+            kept = keeps[i][seg].sum(1)
+            seg, kept = seg[kept.argsort(stable=True)], kept.sort(stable=True).values
+            for g, pages in group_pages(kept.tolist(), room, P):
+                n, group = len(seg[g]), Group(policy, seg[g], pages=pages)
+                C = pages * P
+                # Kept tokens first, in position order; they fill columns 0..kept-1.
+                keep = keeps[i][group.seg]
+                order = (~keep).int().argsort(dim=1, stable=True)[:, :min(T, C)]
+                held = torch.arange(order.shape[1], device=k.device) < keep.sum(1, keepdim=True)
+                for name, empty in SLOT_FIELDS.items():
+                    src = sources[name][group.seg]
+                    idx = order if src.dim() == 2 else order[..., None].expand(n, -1, D)
+                    taken = src.gather(1, idx)
+                    mask = held if src.dim() == 2 else held[..., None]
+                    taken = taken.masked_fill(~mask, empty)
+                    taken = F.pad(taken, (0, 0, 0, C - taken.shape[1]) if src.dim() == 3
+                                  else (0, C - taken.shape[1]), value=empty)
+                    blocks[name].append(taken.reshape(n * group.pages, P, *taken.shape[2:]))
+                self.groups.append(group)
+        for name, parts in blocks.items():
+            self.register_buffer(name, torch.cat(parts), persistent=False)
+        self.register_buffer("seen", prompt.seen[:, 0].clone(), persistent=False)
+        self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
+        self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
+        self.register_buffer("dest", torch.zeros(S, dtype=torch.long, device=k.device),
+                             persistent=False)
+        self.register_buffer("free", self.dest.new_zeros(S, 0), persistent=False)
+        self.cursor = 0
+        self._place()
+
+    def _place(self):
+        """Page offsets of the groups and the owner of every page, after a change."""
+        first = 0
+        for g in self.groups:
+            g.first = first
+            first += len(g.seg) * g.pages
+        owner = torch.cat([g.seg.repeat_interleave(g.pages) for g in self.groups])
+        self.register_buffer("owner", owner, persistent=False)
+
+    # --- Decode ------------------------------------------------------------------
+
     def decode(self, q, k, v, input_pos, tokens):
+        """One token per sequence: written to the slot `reserve` chose, attended
+        to with everything the segment holds, and scored."""
         B, H, _, D = q.shape
         K = self.n_kv_heads
-        qs = q.view(B * K, H // K, D)  # (S, G, D)
-        ks, vs = k.view(B * K, D), v.view(B * K, D)
-        pos = input_pos.expand(B, K).reshape(B * K)
-        flags = self.token_flags[tokens].expand(B, K).reshape(B * K)
-        y = torch.empty_like(qs)
-        for b in self.buckets:
-            y[b.seg] = b.step(qs[b.seg], ks[b.seg], vs[b.seg], pos[b.seg], flags[b.seg])
+        S = B * K
+        pos = input_pos.expand(B, K).reshape(S)
+        slot = self.dest
+        self.k.view(-1, D).index_copy_(0, slot, k.reshape(S, D))
+        self.v.view(-1, D).index_copy_(0, slot, v.reshape(S, D))
+        self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
+        self.flags.view(-1).index_copy_(0, slot, self.token_flags[tokens].expand(B, K).reshape(S))
+        self.score.view(-1).index_fill_(0, slot, 0.0)
+        self.seen.copy_(pos + 1)
+        y, probs = paged_attention(q.view(S, H // K, D), self.k, self.v, self.pos >= 0, self.owner)
+        last = probs.mean(1)  # (N, P), averaged over the G query heads
+        self.last.copy_(last)
+        self.score += last
         return y.view(B, H, 1, D)
 
     def reserve(self):
-        """Call before every decode step, outside compiled code."""
-        for b in self.buckets:
-            b.reserve()
+        """Before every decode step, outside compiled code: evict when due,
+        hand out free slots when the last ones are used, and point the step at
+        its slots."""
+        if self.steps % self.evict_every == 0 or self.cursor == self.free.shape[1]:
+            if self.steps % self.evict_every == 0 and self.steps:
+                self.evict()
+            self.refill()
+        self.dest.copy_(self.free[:, self.cursor])
+        self.cursor += 1
+        self.steps += 1
+
+    def slots(self, g: Group) -> Slots:
+        """A group's slots as (n, C) views of the pool: writing to `pos` frees slots."""
+        seg = g.seg
+        return Slots(g.block(self.pos), g.block(self.score), g.block(self.flags),
+                     self.seen[seg, None], self.seg_prompt_len[seg, None],
+                     self.seg_first_query[seg, None], g.block(self.last))
+
+    def evict(self):
+        for g in self.groups:
+            s = self.slots(g)
+            s.pos.masked_fill_(~g.policy.keep(s), -1)
+
+    def refill(self):
+        """Give every segment its next free slots, as many as the steps until the
+        next eviction, first in slot order; the groups that have fewer grow (one
+        host sync per layer)."""
+        E, P = self.evict_every, self.page
+        remaining = self.max_new_tokens - 1 - self.steps
+        need = min(E - self.steps % E, remaining) if remaining > 0 else E  # past the plan: chat
+        S = len(self.dest)
+        free = self.dest.new_zeros(S).index_add_(0, self.owner, (self.pos < 0).sum(1)).tolist()
+        grow = {}
+        for i, g in enumerate(self.groups):
+            short = need - min(free[s] for s in g.seg.tolist())
+            if short > 0:  # room for this round and the next, in pages
+                grow[i] = -(-(short + E) // P)
+        if grow:
+            self.widen(grow)
+        # Slots sorted by segment, free ones first: segment s's begin at its offset.
+        held = (self.pos >= 0).view(-1).long()
+        order = (self.owner.repeat_interleave(P) * 2 + held).argsort(stable=True)
+        pages = torch.bincount(self.owner, minlength=S)
+        start = (pages.cumsum(0) - pages) * P
+        self.free = order[start[:, None] + torch.arange(need, device=start.device)]  # (S, need)
+        self.cursor = 0
+
+    def widen(self, grow: dict[int, int]):
+        """Add `grow[i]` empty pages to each segment of group i; the pool is rebuilt."""
+        parts = {name: [] for name in SLOT_FIELDS}
+        for i, g in enumerate(self.groups):
+            extra = grow.get(i, 0)
+            for name, empty in SLOT_FIELDS.items():
+                t = getattr(self, name)[g.first:g.first + len(g.seg) * g.pages]
+                t = t.reshape(len(g.seg), g.pages, *t.shape[1:])
+                pad = t.new_full((len(g.seg), extra, *t.shape[2:]), empty)
+                parts[name].append(torch.cat([t, pad], 1).flatten(0, 1))
+            g.pages += extra
+        for name, ts in parts.items():
+            setattr(self, name, torch.cat(ts))
+        self.n_growths += len(grow)
+        self._place()
+
+    # --- What the cache holds ------------------------------------------------------
+
+    STATE = (*SLOT_FIELDS, "owner", "seen", "seg_prompt_len", "seg_first_query", "dest", "free")
 
     def nbytes(self) -> int:
         """Bytes the cache really holds: K, V and every index and score tensor."""
-        return sum(t.nbytes for b in self.buckets or [] for t in b.buffers())
+        if self.groups is None:
+            return 0
+        return sum(getattr(self, name).nbytes for name in self.STATE)
 
     def kept(self) -> int:
-        return sum(b.kept() for b in self.buckets or [])
+        return int((self.pos >= 0).sum()) if self.groups is not None else 0
 
     def growths(self) -> int:
-        """Slots added while decoding, over all buckets (each a new shape)."""
-        return sum(b.growths for b in self.buckets or [])
+        """Times a group widened while decoding (each a new shape for compiled code)."""
+        return self.n_growths
 
     def plan(self) -> list[Policy]:
         """The policy of each segment (sequence-major, then KV head)."""

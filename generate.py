@@ -74,10 +74,13 @@ _compiled_decode = None
 def compiled_decode():
     global _compiled_decode
     if _compiled_decode is None:
-        # Each compressed-cache layout (buckets and their widths) is one more
-        # compiled graph; a benchmark sweeping thresholds needs more than
-        # dynamo's default of 8. Within one generation the shapes are fixed.
+        # Each batch size and cache kind is one more compiled graph; a benchmark
+        # sweeping them needs more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = 64
+        # A compressed cache's page pool grows between steps. Dynamo gives module
+        # buffers static shapes, like parameters, unless told otherwise, and would
+        # compile once per growth instead of once more (with a dynamic size) in all.
+        torch._dynamo.config.force_parameter_static_shapes = False
         _compiled_decode = torch.compile(decode_one_token, fullgraph=True)
     return _compiled_decode
 
@@ -176,7 +179,7 @@ class Generation:
     kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
     seen_tokens: int = 0                # the same count for a full cache
     profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
-    growths: int = 0                    # times a compressed cache's bucket widened while decoding
+    growths: int = 0                    # times a compressed cache grew while decoding
     plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
     recovery: list[list[list[float]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -205,7 +208,7 @@ class Generation:
             + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
                f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%}); "
-               f"{self.growths} bucket growths" if self.plan else "")
+               f"{self.growths} growths" if self.plan else "")
             + (", per rank " + ", ".join(f"{b / 2**20:.2f}" for b in self.kv_bytes_per_rank)
                + " MiB" if len(self.kv_bytes_per_rank) > 1 else ""),
         ]

@@ -152,8 +152,9 @@ class Reference:
     """The reference for one layer: B sequences, K KV heads, S = B*K segments."""
 
     def __init__(self, policies, threshold, prompt_lens, n_kv_heads, token_flags, rows=None,
-                 sink=True, budget=None):
+                 sink=True, budget=None, evict_every=1):
         self.policies = list(policies)
+        self.evict_every = evict_every
         self.threshold, self.rows, self.sink, self.budget = threshold, rows, sink, budget
         self.lens = [int(n) for n in prompt_lens]
         self.K = n_kv_heads
@@ -176,6 +177,8 @@ class Reference:
         self.recovery = torch.zeros(B * K, len(self.policies), dtype=torch.float64)
         self.choice = []
         self.dropped = 0  # held tokens let go later, all segments together
+        self.steps = 0  # decode steps so far
+        self.last = {}  # segment -> the latest query's attention, per position
         for b, L in enumerate(self.lens):
             for h in range(K):
                 s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
@@ -225,9 +228,21 @@ class Reference:
 
     def decode(self, q, k, v, input_pos, tokens, state):
         """One new token per sequence. q: (B, H, 1, D), k, v: (B, K, 1, D),
-        input_pos, tokens: (B, 1). Returns the output (B, H, 1, D)."""
+        input_pos, tokens: (B, 1). Every `evict_every` steps, before the step,
+        each segment first lets go of what its policy no longer keeps, ranked by
+        the scores so far and the previous query's attention; `state` is the
+        cache's after that eviction (for ties). Returns the output (B, H, 1, D)."""
         B, H, _, D = q.shape
         K, G = self.K, H // self.K
+        if self.steps and self.steps % self.evict_every == 0:
+            for b in range(B):
+                for h in range(K):
+                    s = self.seg(b, h)
+                    held = self.kept[s]
+                    self.kept[s] = keep(self.policy[s], held, len(self.flags[b]), self.lens[b],
+                                        self.flags[b], self.score[s], state.kept[s], self.first[s],
+                                        self.last[s])
+                    self.dropped += len(held - self.kept[s])
         y = torch.zeros(B, H, 1, D, dtype=torch.float64)
         for b in range(B):
             p = int(input_pos[b, 0])
@@ -237,19 +252,16 @@ class Reference:
                 s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
                 self.k[s] = torch.cat([self.k[s], k[b, h].double()])  # (p + 1, D)
                 self.v[s] = torch.cat([self.v[s], v[b, h].double()])
-                visible = self.kept[s] | {p}
+                self.kept[s] = self.kept[s] | {p}
                 mask = torch.zeros(p + 1, dtype=torch.bool)
-                mask[sorted(visible)] = True
+                mask[sorted(self.kept[s])] = True
                 logits = q[b, heads, 0].double() @ self.k[s].T / math.sqrt(D)  # (G, p + 1)
                 probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
                 y[b, heads, 0] = probs @ self.v[s]
-                got = probs.mean(0).tolist()
-                score = {j: self.score[s].get(j, 0.0) + got[j] for j in visible}
-                held = self.kept[s]
-                self.kept[s] = keep(self.policy[s], visible, p + 1, self.lens[b], self.flags[b],
-                                    score, state.kept[s], self.first[s], got)
-                self.dropped += len(held - self.kept[s])
-                self.score[s] = {j: score[j] for j in self.kept[s]}
+                self.last[s] = probs.mean(0).tolist()
+                self.score[s] = {j: self.score[s].get(j, 0.0) + self.last[s][j]
+                                 for j in self.kept[s]}
+        self.steps += 1
         return y
 
 
@@ -261,15 +273,19 @@ class State:
         self.choice = cache.choice.tolist()
         self.max_new_tokens = cache.max_new_tokens
         self.kept: list[dict[int, float]] = [None] * S
-        self.free = [None] * S
-        for bucket in cache.buckets:
-            for row, s in enumerate(bucket.seg.tolist()):
-                pos, score = bucket.pos[row], bucket.score[row]
+        for g in cache.groups:
+            slots = cache.slots(g)
+            for row, s in enumerate(g.seg.tolist()):
+                pos, score = slots.pos[row], slots.score[row]
                 held = pos >= 0
+                assert self.kept[s] is None, f"segment {s} is in two groups"
                 self.kept[s] = dict(zip(pos[held].tolist(), score[held].tolist()))
                 assert len(self.kept[s]) == int(held.sum()), f"segment {s} holds a position twice"
-                self.free[s] = int((~held).sum())
-        assert all(kept is not None for kept in self.kept), "a segment is in no bucket"
+        assert all(kept is not None for kept in self.kept), "a segment is in no group"
+        # The slot each segment's next token goes to, and whether it is free and its own.
+        flat = cache.pos.view(-1)
+        owner = cache.owner.repeat_interleave(cache.page)
+        self.dest_ok = [bool(flat[j] < 0 and owner[j] == s) for s, j in enumerate(cache.dest.tolist())]
 
 
 def compare(ref: Reference, state: State):
@@ -291,7 +307,7 @@ class CheckedCache(nn.Module):
         self.cache = cache
         self.ref = Reference(cache.policies, cache.threshold, cache.prompt_lens.tolist(),
                              cache.n_kv_heads, cache.token_flags, cache.rows, cache.sink,
-                             cache.budget)
+                             cache.budget, cache.evict_every)
         self.atol = atol
         self.steps = 0
 
@@ -299,7 +315,7 @@ class CheckedCache(nn.Module):
         """`forward` reserves, and checks that it left room."""
 
     def forward(self, q, k, v, input_pos, tokens):
-        prefill = self.cache.buckets is None
+        prefill = self.cache.groups is None
         if prefill:
             # What each policy keeps of the prompt by the cache's own ranking: the
             # reference breaks its near-ties (float32 against float64) the same way.
@@ -310,7 +326,7 @@ class CheckedCache(nn.Module):
         else:
             self.cache.reserve()
             before = State(self.cache)
-            assert min(before.free) >= 1, "reserve left a segment without a free slot"
+            assert all(before.dest_ok), "reserve pointed a segment at a slot not free or not its own"
         y = self.cache(q, k, v, input_pos, tokens)
         state = State(self.cache)
         if prefill:
@@ -324,7 +340,7 @@ class CheckedCache(nn.Module):
                 torch.testing.assert_close(y[b, :, :L].double(), expected[b, :, :L],
                                            atol=self.atol, rtol=0)
         else:
-            expected = self.ref.decode(q, k, v, input_pos, tokens, state)
+            expected = self.ref.decode(q, k, v, input_pos, tokens, before)
             torch.testing.assert_close(y.double(), expected, atol=self.atol, rtol=0)
             self.steps += 1
         compare(self.ref, state)

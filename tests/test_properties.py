@@ -27,7 +27,8 @@ SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
 def policy_lists(draw):
     """A shortlist, a single fixed policy (the baselines), or a random mix, under
     a threshold or a budget; profiling over all rows or a window, with or
-    without the sink's mass. Returns (policies, options for FastGenCache)."""
+    without the sink's mass; eviction every step or every few, pages of one
+    slot or many. Returns (policies, options for FastGenCache)."""
     r_local = draw(st.sampled_from([0.1, 0.15, 0.2, 0.3, 0.5]))
     r_frequent = draw(st.sampled_from([0.1, 0.2, 0.3, 0.5]))
     by = draw(st.sampled_from(["sum", "mean"]))
@@ -36,7 +37,8 @@ def policy_lists(draw):
             Sink(sink) | Local(r_local), Frequent(r_frequent, by) | Local(r_local),
             TOVA(r_frequent), SnapKV(round(r_local + 0.2, 2), window=sink, kernel=3), Local(r_frequent),
             *shortlist(r_local, r_frequent, by)[1:4]]
-    options = dict(rows=draw(st.sampled_from([None, 1, 3, 8])), sink=draw(st.booleans()))
+    options = dict(rows=draw(st.sampled_from([None, 1, 3, 8])), sink=draw(st.booleans()),
+                   evict_every=draw(st.sampled_from([1, 2, 5, 8])), page=draw(st.sampled_from([1, 3, 16])))
     kind = draw(st.sampled_from(["shortlist", "fixed", "mix"]))
     if kind == "shortlist":
         policies = shortlist(r_local, r_frequent, by)
@@ -79,9 +81,8 @@ def test_cache_agrees_with_reference_at_every_step(run):
     assert checked.steps == run["max_new_tokens"] - 1
     cache = checked.cache
     assert cache.kept() == sum(map(len, checked.ref.kept.values()))
-    assert cache.nbytes() == sum(t.nbytes for b in cache.buckets
-                                 for t in (b.k, b.v, b.pos, b.score, b.flags, b.seg, b.prompt_len,
-                                                    b.first_query))
+    assert cache.nbytes() == sum(t.nbytes for name, t in cache.named_buffers()
+                                 if name not in ("prompt_lens", "token_flags"))
 
 
 @settings(SETTINGS, max_examples=15)
