@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from model import causal_attention
 from policies import Policy, Slots
-from profiling import attention_sums, choose, fit_budget, local_ratios, recovery
+from profiling import attention_sums, choose, fit_budget, local_ratios, recoveries
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, n segments in a group, T prompt tokens, N pages, P slots
@@ -162,22 +162,22 @@ class FastGenCache(nn.Module):
             score=prof.colsum, flags=per_seg(self.token_flags[tokens]),
             seen=per_seg(lens[:, None]), prompt_len=per_seg(lens[:, None]),
             first_query=per_seg(lens[:, None]) - prof.rows.long()[:, None], last=prof.last)
-        return prompt, torch.stack([recovery(p, prompt, prof, sink) for p in self.policies], dim=1)
+        return prompt, recoveries(self.policies, prompt, prof, sink)
 
     def prefill(self, q, k, v, tokens):
         y = causal_attention(q, k, v)
         t0 = _clock(q.device)
         B, K, T, D = k.shape
         prompt, self.recovery = self.profile(q, k, tokens, self.rows, self.sink)
-        keeps = [p.keep(prompt) for p in self.policies]  # (S, T) each
+        keeps = [prompt.keeps(p) for p in self.policies]  # (S, T) each
         if len(self.policies) == 1:
             self.choice = torch.zeros(B * K, dtype=torch.long)
         elif self.budget is not None:
             # A head's cost: the prompt tokens it keeps and what it will keep of
             # the new ones; the budget: a share of what a full cache would hold.
             new = self.max_new_tokens - 1
-            costs = torch.stack([keep.sum(1) + torch.ceil(p.growth(prompt) * new).long()
-                                 for p, keep in zip(self.policies, keeps)], dim=1)  # (S, n_policies)
+            growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)
+            costs = torch.stack(keeps, dim=1).sum(2) + torch.ceil(growth * new).long()  # (S, M)
             allowed = int(self.budget * (prompt.prompt_len + new).sum())
             self.choice = fit_budget(self.recovery, costs, allowed)
         else:
@@ -196,8 +196,8 @@ class FastGenCache(nn.Module):
         sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score,
                        last=prompt.last if prompt.last is not None else prompt.score,
                        flags=prompt.flags)
-        for i, policy in enumerate(self.policies):
-            seg = (self.choice == i).nonzero()[:, 0]
+        for i in self.choice.unique().tolist():
+            policy, seg = self.policies[i], (self.choice == i).nonzero()[:, 0]
             kept = keeps[i][seg].sum(1)
             seg, kept = seg[kept.argsort(stable=True)], kept.sort(stable=True).values
             for g, pages in group_pages(kept.tolist(), room, P):

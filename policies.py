@@ -11,7 +11,7 @@ on the cache after every decode step (to evict), so the two can never drift.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,10 +33,30 @@ class Slots:
     # every prompt row, prompt_len - n when it read an observation window of n rows.
     first_query: torch.Tensor | None = None
     last: torch.Tensor | None = None  # (N, C) attention from the latest query alone
+    # What policies computed on these slots, so that a menu of policies sharing
+    # members and rankings computes each once. The tensors must not change meanwhile.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def once(self, key, compute):
+        """compute(), remembered under `key` for as long as these slots live."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     @property
     def valid(self) -> torch.Tensor:
-        return self.pos >= 0
+        return self.once("valid", lambda: self.pos >= 0)
+
+    def keeps(self, policy: Policy) -> torch.Tensor:
+        """policy.keep(self), computed once per policy."""
+        return self.once(policy, lambda: policy.keep(self))
+
+    def top(self, key, values, k: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Bool (N, C): the k (N, 1) slots with the largest `values()` among the valid
+        ones (or `valid`); among equal values the leftmost slot wins. Ranked once per
+        `key`, which must name the values and the mask."""
+        valid = self.valid if valid is None else valid
+        return valid & (self.once(key, lambda: ranks(values(), valid)) < k)
 
     @property
     def mean_score(self) -> torch.Tensor:
@@ -58,13 +78,18 @@ def share(r: float, n: torch.Tensor) -> torch.Tensor:
     return torch.ceil(n.double() * r - 1e-9).long()
 
 
+def ranks(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(N, C) each slot's rank by value, largest first, invalid slots last; among
+    equal values the leftmost slot ranks first."""
+    order = values.masked_fill(~valid, -float("inf")).argsort(dim=-1, descending=True, stable=True)
+    return torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+
+
 def top(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Bool (N, C): the k (N, 1) valid slots with the largest values; among
     equal values the leftmost slot wins."""
-    order = values.masked_fill(~valid, -float("inf")).argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return valid & (rank < k)
+    return valid & (ranks(values, valid) < k)
 
 
 class Policy:
@@ -146,9 +171,9 @@ class Frequent(Policy):
 
     def keep(self, s):
         if self.by == "sum":
-            return top(s.score, s.valid, share(self.r, s.seen))
-        newest = s.pos == s.seen - 1
-        return top(s.mean_score.masked_fill(newest, float("inf")), s.valid, share(self.r, s.seen))
+            return s.top("score", lambda: s.score, share(self.r, s.seen))
+        newest = lambda: s.mean_score.masked_fill(s.pos == s.seen - 1, float("inf"))  # noqa: E731
+        return s.top("mean score", newest, share(self.r, s.seen))
 
     def growth(self, prompt):
         return prompt.pos.new_full((prompt.pos.shape[0],), self.r, dtype=torch.float32)
@@ -185,7 +210,7 @@ class TOVA(Policy):
         self.r = r
 
     def keep(self, s):
-        return top(s.last, s.valid, share(self.r, s.prompt_len))
+        return s.top("last", lambda: s.last, share(self.r, s.prompt_len))
 
 
 class SnapKV(Policy):
@@ -200,12 +225,13 @@ class SnapKV(Policy):
 
     def keep(self, s):
         recent = s.pos >= s.prompt_len - self.window
-        pooled = torch.nn.functional.max_pool1d(
+        pooled = lambda: torch.nn.functional.max_pool1d(  # noqa: E731
             s.score.masked_fill(~s.valid, 0)[:, None], self.kernel, 1, self.kernel // 2)[:, 0]
         budget = (share(self.r, s.prompt_len) - self.window).clamp(min=0)
         # While decoding the older prompt tokens held number exactly `budget`,
         # so this keeps them all: the prompt is compressed once.
-        return (s.valid & recent) | top(pooled, s.valid & ~recent, budget)
+        older = s.top(("snapkv", self.window, self.kernel), pooled, budget, s.valid & ~recent)
+        return (s.valid & recent) | older
 
     def growth(self, prompt):
         return prompt.pos.new_ones(prompt.pos.shape[0], dtype=torch.float32)
@@ -221,13 +247,14 @@ class Union(Policy):
         return self._members
 
     def keep(self, s):
-        kept = self._members[0].keep(s)
+        kept = s.keeps(self._members[0])
         for m in self._members[1:]:
-            kept = kept | m.keep(s)
+            kept = kept | s.keeps(m)
         return kept
 
     def growth(self, prompt):
-        return sum(m.growth(prompt) for m in self._members).clamp(max=1)
+        return sum(prompt.once(("growth", m), lambda m=m: m.growth(prompt))
+                   for m in self._members).clamp(max=1)
 
     def __eq__(self, other):
         return isinstance(other, Union) and self._members == other._members

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policies import Local, Policy, Slots, share
+from policies import Local, Policy, Slots, Union, share
 
 # Bytes of attention probabilities materialised at once while profiling.
 CHUNK_BYTES = 64 << 20
@@ -54,9 +54,9 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     G = H // K
     kt = (k.float() / math.sqrt(D)).repeat_interleave(G, dim=1).transpose(-1, -2)  # (B, H, D, T)
     first = lens - (lens if rows is None else lens.clamp(max=rows))  # (B,) first row read
-    windows = {r: share(r, lens) for r in ratios}
+    windows = torch.stack([share(r, lens) for r in ratios]) if ratios else lens[None, :0]  # (R, B)
     colsum = q.new_zeros(B, H, T, dtype=torch.float32)
-    bands = {r: torch.zeros_like(colsum) for r in ratios}
+    bands = q.new_zeros(len(ratios), B, H, T, dtype=torch.float32)
     cols = torch.arange(T, device=q.device)
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
     for i0 in range(int(first.min()), T, rows_per_chunk):
@@ -67,17 +67,23 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
         attn = scores.softmax(-1)
         read = (r[None, :] >= first[:, None]) & (r[None, :] < lens[:, None])  # (B, c)
         attn.mul_(read[:, None, :, None])
-        colsum += attn.sum(2)
-        for ratio, w in windows.items():
-            inside = cols[None, None, :] > r[None, :, None] - w[:, None, None]  # (B, c, T)
-            bands[ratio] += (attn * inside[:, None]).sum(2)
+        # Running sums down the rows: since row i attends only to j <= i, the
+        # band of token j (rows j .. j + W - 1) is the running sum at row j + W - 1.
+        attn.cumsum_(2)
+        colsum += attn[:, :, -1]
+        if ratios:
+            end = (cols + windows[..., None] - 1 - i0).clamp(max=len(r) - 1)  # (R, B, T)
+            at = end.clamp(min=0)[:, :, None, None, :].expand(-1, B, H, 1, T)
+            got = attn.expand(len(ratios), *attn.shape).gather(3, at)[:, :, :, 0]  # (R, B, H, T)
+            bands += got * (end >= 0)[:, :, None, :]
     # The last row again, alone: what TOVA ranks the prompt by.
     q_last = q[torch.arange(B), :, lens - 1][:, :, None].float()  # (B, H, 1, D)
     last = (q_last @ kt).masked_fill(cols >= lens[:, None, None, None], -float("inf"))
     last = last.softmax(-1)[:, :, 0]  # (B, H, T)
-    per_seg = lambda t: t.view(B, K, G, T).mean(2).reshape(B * K, T)  # noqa: E731
-    return Profile(per_seg(colsum), {r: per_seg(b) for r, b in bands.items()},
-                   (lens - first).repeat_interleave(K).float(), per_seg(last))
+    per_seg = lambda t: t.view(-1, B, K, G, T).mean(3).reshape(-1, B * K, T)  # noqa: E731
+    bands = per_seg(bands)
+    return Profile(per_seg(colsum)[0], dict(zip(ratios, bands)),
+                   (lens - first).repeat_interleave(K).float(), per_seg(last)[0])
 
 
 def local_ratios(policies: list[Policy]) -> list[float]:
@@ -86,7 +92,13 @@ def local_ratios(policies: list[Policy]) -> list[float]:
 
 
 def recovery(policy: Policy, prompt: Slots, prof: Profile, sink: bool = True) -> torch.Tensor:
-    """(S,) share of the attention read that `policy` recovers on S segments.
+    """(S,) share of the attention read that `policy` recovers on S segments."""
+    return recoveries([policy], prompt, prof, sink)[:, 0]
+
+
+def recoveries(policies: list[Policy], prompt: Slots, prof: Profile,
+               sink: bool = True) -> torch.Tensor:
+    """(S, M): the share of the attention read that each policy recovers.
 
     prompt: the segments' prompt tokens, one per column in position order.
     With `sink=False` the first token's attention counts neither as recovered
@@ -94,20 +106,21 @@ def recovery(policy: Policy, prompt: Slots, prof: Profile, sink: bool = True) ->
     that puts most of its attention there would otherwise "recover" it while
     dropping everything it reads. (Every shortlist policy keeps that token.)
     """
-    members = policy.members()
-    kept = torch.zeros_like(prompt.valid)
-    for m in members:
-        if not isinstance(m, Local):
-            kept |= m.keep(prompt)
-    got = prof.colsum * kept
-    ratios = [m.r for m in members if isinstance(m, Local)]
-    if ratios:
-        got = got + prof.bands[max(ratios)] * ~kept
+    fixed, bands = [], []
+    zero = torch.zeros_like(prof.colsum)
+    for p in policies:
+        others = [m for m in p.members() if not isinstance(m, Local)]
+        fixed.append(prompt.keeps(Union(*others)) if others else torch.zeros_like(prompt.valid))
+        ratios = [m.r for m in p.members() if isinstance(m, Local)]
+        bands.append(prof.bands[max(ratios)] if ratios else zero)
+    # A kept token recovers all it received; another, what its band received.
+    fixed, bands = torch.stack(fixed).float(), torch.stack(bands)  # (M, S, T)
+    got = (prof.colsum - bands) * fixed + bands
     total = prof.rows
     if not sink:
-        got, total = got[:, 1:], total - prof.colsum[:, 0]
+        got, total = got[..., 1:], total - prof.colsum[:, 0]
     # A head that reads nothing but the sink loses nothing, whatever it keeps.
-    return torch.where(total > 1e-4 * prof.rows, got.sum(-1) / total, 1.0)
+    return torch.where(total > 1e-4 * prof.rows, got.sum(-1) / total, 1.0).T
 
 
 def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -122,27 +135,31 @@ def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:
     return ok.int().argmax(dim=1)
 
 
-def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int) -> torch.Tensor:
+def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
+               resolution: int = 4096) -> torch.Tensor:
     """(S,) one menu item per segment, maximizing the sum of `values` (S, M)
-    with the sum of integer `costs` (S, M) at most `budget`: an exact knapsack
-    by dynamic programming over the budget. When even the cheapest items do
-    not fit, the cheapest."""
+    with the sum of integer `costs` (S, M) at most `budget`: a knapsack by
+    dynamic programming over the budget, exact while the budget is at most
+    `resolution` tokens; above, costs are counted in units of
+    ceil(budget / resolution) tokens, rounded up, so the choice stays within
+    the budget. When even the cheapest items do not fit, the cheapest."""
     S, M = values.shape
-    cost, value = costs.tolist(), values.tolist()  # small; one host copy each
-    if sum(map(min, cost)) > budget:
+    if int(costs.min(1).values.sum()) > budget:
         return costs.argmin(1)
+    device, unit = costs.device, -(-budget // resolution)
+    costs, budget = -(-costs.cpu() // unit), budget // unit
+    values = values.cpu().double()
+    j = torch.arange(budget + 1)
     best = torch.zeros(budget + 1, dtype=torch.float64)  # best[j]: the best value costing <= j
     picks = []
     for s in range(S):
-        options = torch.full((M, budget + 1), -math.inf, dtype=torch.float64)
-        for m, c in enumerate(cost[s]):
-            if c <= budget:
-                options[m, c:] = best[:budget + 1 - c] + value[s][m]
+        rest = j - costs[s][:, None]  # (M, budget + 1): what is left for the segments before
+        options = best[rest.clamp(min=0)].masked_fill(rest < 0, -math.inf) + values[s][:, None]
         best, pick = options.max(0)
         picks.append(pick)
-    choice, j = [], budget
+    choice, left = [], budget
     for s in reversed(range(S)):
-        m = int(picks[s][j])
+        m = int(picks[s][left])
         choice.append(m)
-        j -= cost[s][m]
-    return torch.tensor(choice[::-1], device=costs.device)
+        left -= int(costs[s][m])
+    return torch.tensor(choice[::-1], device=device)
