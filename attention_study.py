@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import generate as gen_
-from cache import PAGE, group_pages
+from cache import group_pages, page_size
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from profiling import choose
@@ -62,11 +62,11 @@ def profile_prompt(model, prompt, flags, policies):
     return torch.stack(rec), torch.stack(kept)
 
 
-def derive(model, rec, kept, threshold):
+def derive(model, rec, kept, threshold, prompt_len):
     """What the cache does at `threshold`: each head's policy (L, K), its recovery
     and kept tokens (L, K), and the bytes the cache allocates."""
     # cache.py's pool: K and V (D values each), pos int32, score and last float32,
-    # flags uint8 per slot; the owner int64 per page; seen, prompt_len,
+    # flags uint8 per slot; the owner int64 per page; start, seen, prompt_len,
     # first_query and dest int64 per segment (and no free slots handed out yet).
     per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 4 + 1
     choice = torch.stack([choose(r, threshold) for r in rec])  # (L, K)
@@ -76,8 +76,9 @@ def derive(model, rec, kept, threshold):
         for p in choice[l].unique():
             # Heads of one policy holding about as much share a bucket as wide as the fullest.
             sizes = sorted(n_kept[l][choice[l] == p].tolist())
-            for g, pages in group_pages(sizes, room=0):
-                nbytes += len(sizes[g]) * (pages * (PAGE * per_slot + 8) + 32)
+            page = page_size(prompt_len)
+            for g, pages in group_pages(sizes, 0, page):
+                nbytes += len(sizes[g]) * (pages * (page * per_slot + 8) + 40)
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 
 
@@ -91,7 +92,7 @@ def sweep(model, prompts, flags, policies, thresholds, n_check):
     for i, prompt in enumerate(tqdm(prompts, desc="sweep")):
         rec, kept = profile_prompt(model, prompt, flags, policies)
         for t, a in acc.items():
-            choice, chosen, n_kept, nbytes = derive(model, rec, kept, t)
+            choice, chosen, n_kept, nbytes = derive(model, rec, kept, t, len(prompt))
             a["rec"].append(chosen.flatten())
             a["compression"].append(1 - nbytes / gen_.dense_kv_bytes(model, 1, len(prompt) + 1))
             a["kept"].append(n_kept.sum().item() / (n_kept.numel() * len(prompt)))

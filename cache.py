@@ -43,7 +43,9 @@ from profiling import attention_sums, choose, fit_budget, local_ratios, recoveri
 # S = B*K segments, n segments in a group, T prompt tokens, N pages, P slots
 # per page, C = slots per segment in a group, D head dimension, E evict_every.
 
-PAGE = 16  # slots per page: a segment wastes at most PAGE - 1 slots to rounding
+# Slots per page: a segment wastes at most a page minus one slot to rounding, and
+# a page is one small matrix product per step, so pages grow with the prompt.
+MIN_PAGE, MAX_PAGE = 16, 128
 EVICT_EVERY = 8  # tokens between evictions; each segment holds at most this many extra
 # Segments share a group while the largest holds at most this much more than
 # the smallest (plus a page): the rest of a group's width is padding.
@@ -59,6 +61,7 @@ class Group:
     block of the pool: pages first .. first + n * pages, `pages` per segment."""
     policy: Policy
     seg: torch.Tensor  # (n,) segment ids
+    growth: float  # the largest share of new tokens a segment's policy holds (Policy.growth)
     first: int = 0
     pages: int = 1
 
@@ -69,7 +72,12 @@ class Group:
         return part.reshape(n, self.pages * part.shape[1], *part.shape[2:])
 
 
-def group_pages(sizes: list[int], room: int, page: int = PAGE) -> list[tuple[slice, int]]:
+def page_size(prompt_len: int) -> int:
+    """About a 32nd of the prompt, a power of two between MIN_PAGE and MAX_PAGE."""
+    return min(MAX_PAGE, max(MIN_PAGE, 1 << max(0, prompt_len // 32 - 1).bit_length()))
+
+
+def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int]]:
     """Segments of one policy, their kept sizes sorted: runs within SPREAD (plus
     a page) of the first, each with the pages per segment that hold its largest
     size plus `room` new tokens."""
@@ -119,15 +127,15 @@ class FastGenCache(nn.Module):
     items will hold at most `budget` of what a full cache holds). Profiling
     reads the last `rows` prompt rows (None: all of them) and, unless `sink`,
     leaves the first token's attention out of the recovery. Eviction runs every
-    `evict_every` decode steps; pages hold `page` slots.
+    `evict_every` decode steps; pages hold `page` slots (None: by prompt length).
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int = EVICT_EVERY,
-                 page: int = PAGE):
+                 page: int | None = None):
         super().__init__()
-        if evict_every < 1 or page < 1:
+        if evict_every < 1 or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
         self.policies = list(policies)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
@@ -190,8 +198,11 @@ class FastGenCache(nn.Module):
         """Build the pool from what each segment's policy keeps of its prompt.
         k, v: (S, T, D) the uncompressed prompt keys and values."""
         S, T, D = k.shape
+        if self.page is None:
+            self.page = page_size(int(self.prompt_lens.max()))
         P = self.page
         room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
+        growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)  # (S, M)
         self.groups, blocks = [], {name: [] for name in SLOT_FIELDS}
         sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score,
                        last=prompt.last if prompt.last is not None else prompt.score,
@@ -201,7 +212,8 @@ class FastGenCache(nn.Module):
             kept = keeps[i][seg].sum(1)
             seg, kept = seg[kept.argsort(stable=True)], kept.sort(stable=True).values
             for g, pages in group_pages(kept.tolist(), room, P):
-                n, group = len(seg[g]), Group(policy, seg[g], pages=pages)
+                n = len(seg[g])
+                group = Group(policy, seg[g], float(growth[seg[g], i].max()), pages=pages)
                 C = pages * P
                 # Kept tokens first, in position order; they fill columns 0..kept-1.
                 keep = keeps[i][group.seg]
@@ -236,6 +248,12 @@ class FastGenCache(nn.Module):
             first += len(g.seg) * g.pages
         owner = torch.cat([g.seg.repeat_interleave(g.pages) for g in self.groups])
         self.register_buffer("owner", owner, persistent=False)
+        # Each segment's first slot: its slots run on from there, one group row.
+        start = torch.empty_like(self.dest)
+        for g in self.groups:
+            start[g.seg] = (g.first + g.pages * torch.arange(len(g.seg), device=start.device)) * \
+                self.page
+        self.register_buffer("start", start, persistent=False)
 
     # --- Decode ------------------------------------------------------------------
 
@@ -291,20 +309,26 @@ class FastGenCache(nn.Module):
         remaining = self.max_new_tokens - 1 - self.steps
         need = min(E - self.steps % E, remaining) if remaining > 0 else E  # past the plan: chat
         S = len(self.dest)
-        free = self.dest.new_zeros(S).index_add_(0, self.owner, (self.pos < 0).sum(1)).tolist()
+        free = (self.pos < 0).view(-1).long()
+        counts = self.dest.new_zeros(S).index_add_(0, self.owner, free.view(-1, P).sum(1)).tolist()
         grow = {}
         for i, g in enumerate(self.groups):
-            short = need - min(free[s] for s in g.seg.tolist())
-            if short > 0:  # room for this round and the next, in pages
-                grow[i] = -(-(short + E) // P)
+            least = min(counts[s] for s in g.seg.tolist())
+            if least < need:
+                # Grow to what the budget charged the policy for the rest of the
+                # generation (a quarter more at most), and a round more: a group
+                # of Full heads grows once, not every other round.
+                planned = min(math.ceil(g.growth * max(remaining, 0)), g.pages * P // 4)
+                grow[i] = -(-(max(need, planned) + E - least) // P)
         if grow:
             self.widen(grow)
-        # Slots sorted by segment, free ones first: segment s's begin at its offset.
-        held = (self.pos >= 0).view(-1).long()
-        order = (self.owner.repeat_interleave(P) * 2 + held).argsort(stable=True)
-        pages = torch.bincount(self.owner, minlength=S)
-        start = (pages.cumsum(0) - pages) * P
-        self.free = order[start[:, None] + torch.arange(need, device=start.device)]  # (S, need)
+            free = (self.pos < 0).view(-1).long()
+        # Segment s's j-th free slot is where the running count of free slots
+        # reaches the count before its first slot, plus j + 1.
+        running = free.cumsum(0)
+        before = (running - free)[self.start]  # (S,)
+        wanted = before[:, None] + torch.arange(1, need + 1, device=free.device)
+        self.free = torch.searchsorted(running, wanted)  # (S, need)
         self.cursor = 0
 
     def widen(self, grow: dict[int, int]):
@@ -325,7 +349,8 @@ class FastGenCache(nn.Module):
 
     # --- What the cache holds ------------------------------------------------------
 
-    STATE = (*SLOT_FIELDS, "owner", "seen", "seg_prompt_len", "seg_first_query", "dest", "free")
+    STATE = (*SLOT_FIELDS, "owner", "start", "seen", "seg_prompt_len", "seg_first_query", "dest",
+             "free")
 
     def nbytes(self) -> int:
         """Bytes the cache really holds: K, V and every index and score tensor."""
