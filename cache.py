@@ -100,13 +100,13 @@ def paged_attention(q, k, v, held, owner):
     """
     S, G, D = q.shape
     N, P = held.shape
-    scores = ((q[owner] @ k.transpose(1, 2)) / math.sqrt(D)).float()  # (N, G, P)
+    scores = ((q.index_select(0, owner) @ k.transpose(1, 2)) / math.sqrt(D)).float()  # (N, G, P)
     scores = scores.masked_fill(~held[:, None], -math.inf)
     per_page = owner[:, None].expand(N, G)
     top = scores.new_full((S, G), -math.inf).scatter_reduce(0, per_page, scores.amax(-1), "amax")
-    e = (scores - top[owner][..., None]).exp()
+    e = (scores - top.index_select(0, owner)[..., None]).exp()
     total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
-    probs = e / total[owner][..., None]
+    probs = e / total.index_select(0, owner)[..., None]
     y = scores.new_zeros(S, G, D).index_add_(0, owner, (probs.to(v.dtype) @ v).float())
     return y.to(v.dtype), probs
 
@@ -298,8 +298,9 @@ class FastGenCache(nn.Module):
 
     def evict(self):
         for g in self.groups:
-            s = self.slots(g)
-            s.pos.masked_fill_(~g.policy.keep(s), -1)
+            if not g.policy.never_evicts:
+                s = self.slots(g)
+                s.pos.masked_fill_(~g.policy.keep(s), -1)
 
     def refill(self):
         """Give every segment its next free slots, as many as the steps until the

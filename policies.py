@@ -95,6 +95,10 @@ def top(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Ten
 class Policy:
     """Base class. Subclasses implement `keep`."""
 
+    # True when, once the prompt is compressed, `keep` keeps everything held and
+    # every new token: decoding then never needs to ask.
+    never_evicts = False
+
     def keep(self, s: Slots) -> torch.Tensor:
         """Bool (N, C): which of the held tokens this policy keeps."""
         raise NotImplementedError
@@ -195,6 +199,8 @@ class Sink(Policy):
 class Full(Policy):
     """Everything: the head is not compressed."""
 
+    never_evicts = True
+
     def keep(self, s):
         return s.valid
 
@@ -219,6 +225,8 @@ class SnapKV(Policy):
     scores max-pooled over `kernel` neighbours so that a kept token brings its
     context; ceil(r * prompt_len) prompt tokens in all. New tokens are all kept.
     The cache must score the prompt with the same observation window."""
+
+    never_evicts = True  # the prompt is compressed once (see `keep`); new tokens stay
 
     def __init__(self, r: float, window: int = 32, kernel: int = 7):
         self.r, self.window, self.kernel = r, window, kernel
@@ -245,6 +253,10 @@ class Union(Policy):
 
     def members(self):
         return self._members
+
+    @property
+    def never_evicts(self):
+        return any(m.never_evicts for m in self._members)
 
     def keep(self, s):
         kept = s.keeps(self._members[0])
