@@ -78,7 +78,7 @@ def configs(thresholds, budgets, paper_thresholds=(), ablation=False, kinds=None
     out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
     if ablation:
         undo = {"sum": {"hh_score": "sum"}, "all-rows": {"obs_window": 0},
-                "sink-dropped": {"sink_mass": "drop"}}
+                "sink-dropped": {"sink_mass": "drop"}, "every-step": {"evict_every": 1}}
         b = sorted(budgets)[len(budgets) // 2]  # the middle budget
         out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
                 for name, o in undo.items()]
@@ -540,7 +540,8 @@ def parse_args(argv=None):
     p.add_argument("--paper-thresholds", type=float, nargs="*", default=[0.7, 0.9, 0.98],
                    help="thresholds T of the paper's literal FastGen (none: no rows)")
     p.add_argument("--ablation", action="store_true", help="also FastGen's budget mode with "
-                   "each change undone in turn (sum scores, all rows, sink dropped)")
+                   "each change undone in turn (sum scores, all rows, sink dropped, eviction "
+                   "after every token)")
     p.add_argument("--peer-rows", help="add the kvpress rows of an earlier run's OUT.json "
                    "(same windows and cases), labelled with its date")
     p.add_argument("--kinds", nargs="+", help="run only these families (e.g. fastgen-budget "

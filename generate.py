@@ -131,7 +131,7 @@ def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
 
 def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tokens: int,
                 token_flags=None, recovery=None, r_local=0.3, r_frequent=0.3, kv_budget=None,
-                hh_score="mean", obs_window=32, sink_mass="count", paper=False):
+                hh_score="mean", obs_window=32, sink_mass="count", paper=False, evict_every=None):
     """One cache per layer: dense for `full`, compressed for the others.
 
     fastgen: with `recovery` T, the paper's shortlist under that threshold;
@@ -140,18 +140,21 @@ def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tok
     method (threshold T, default 0.95; heavy hitters by summed attention,
     profiling over every prompt row, the sink's mass counted); otherwise
     `hh_score`, `obs_window` (0: every row) and `sink_mass` choose. The fixed
-    policies keep `kv_budget` (default 0.5) of the prompt.
+    policies keep `kv_budget` (default 0.5) of the prompt. Compressed caches
+    evict every `evict_every` steps (default cache.EVICT_EVERY; 1 with `paper`).
     """
     a, w = model.args, model.tok_embeddings.weight
     if kv == "full":
         max_len = max(prompt_lens) + max_new_tokens
         return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
                 for _ in model.layers]
-    from cache import fastgen_caches
+    from cache import EVICT_EVERY, fastgen_caches
     from policies import SnapKV, baseline, menu, shortlist
     if paper:
         hh_score, obs_window, sink_mass = "sum", 0, "count"
-    options = dict(rows=obs_window or None, sink=sink_mass == "count")
+        evict_every = evict_every or 1
+    evict = dict(evict_every=evict_every or EVICT_EVERY)
+    options = dict(rows=obs_window or None, sink=sink_mass == "count", **evict)
     if kv == "fastgen" and (paper or recovery is not None):
         policies = shortlist(r_local, r_frequent, hh_score)
         options.update(threshold=0.95 if recovery is None else recovery)
@@ -160,7 +163,8 @@ def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tok
         options.update(budget=0.5 if kv_budget is None else kv_budget)
     else:  # the fixed policies as their authors define them
         policy = baseline(kv, 0.5 if kv_budget is None else kv_budget)
-        policies, options = [policy], dict(rows=policy.window if isinstance(policy, SnapKV) else None)
+        policies = [policy]
+        options = dict(rows=policy.window if isinstance(policy, SnapKV) else None, **evict)
     return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options)
 
 
@@ -396,7 +400,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
          recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
-         sink_mass: str = "count", paper: bool = False, save_plan: str | None = None,
+         sink_mass: str = "count", paper: bool = False, evict_every: int | None = None,
+         save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
@@ -416,6 +421,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
                    kv_budget, kv, device, dtype, seed, save_plan)
         if obs_window < 0:
             raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
+        if evict_every is not None and evict_every < 1:
+            raise UsageError(f"--evict-every must be 1 (every step) or more (got {evict_every})")
         if kv == "fastgen" and recovery is not None and kv_budget is not None:
             raise UsageError("--recovery (threshold mode) and --kv-budget (budget mode) choose two "
                              "different FastGens; give one of them")
@@ -441,6 +448,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
                        compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
                        r_local=r_local, r_frequent=r_frequent, kv_budget=kv_budget,
                        hh_score=hh_score, obs_window=obs_window, sink_mass=sink_mass, paper=paper,
+                       evict_every=evict_every,
                        temperature=temperature, top_k=top_k, top_p=top_p)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if "memory" not in str(e).lower():
@@ -537,7 +545,12 @@ def parse_args(argv=None):
                    "local/sink/h2o/tova/snapkv: share of the prompt each head keeps (default 0.5)")
     p.add_argument("--paper", action="store_true", help="fastgen: the paper's literal method "
                    "(threshold mode, heavy hitters by summed attention, profiling over every "
-                   "prompt row, the sink's mass counted); overrides the three flags below")
+                   "prompt row, the sink's mass counted, eviction after every token); overrides "
+                   "the three flags below and --evict-every's default")
+    p.add_argument("--evict-every", type=int, help="compressed caches: let go of what the "
+                   "policies no longer keep every N decode steps (1: after every token, as the "
+                   "paper; more: each head holds up to N-1 extra tokens meanwhile and the "
+                   "sorting is paid once per N tokens) (default 8, or 1 with --paper)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")
