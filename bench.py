@@ -257,10 +257,10 @@ def load_pair(ckpt, dtype: str, device: str):
 
 
 MEMORY_NOTE = {
-    False: "Peak RSS: the high-water mark of this process's resident memory (VmHWM) during "
-           "the last run, reset before each run (5 to /proc/self/clear_refs); it includes "
-           "both models' weights and everything loaded, not the compiler's worker processes.",
-    True: "Peak GPU: the most memory torch had allocated on the GPU during the last run "
+    False: "Peak RSS: the high-water mark of this process's resident memory (VmHWM) in a "
+           "run, reset before each run (5 to /proc/self/clear_refs); it includes both "
+           "models' weights and everything loaded, not the compiler's worker processes.",
+    True: "Peak GPU: the most memory torch had allocated on the GPU in a run "
           "(torch.cuda.max_memory_allocated, reset before each run); it includes both "
           "models' weights.",
 }
@@ -404,7 +404,7 @@ def bench(args) -> str:
         "CPU share: CPU time of this process / (wall time x threads), median of the runs; "
         "well under 100% means other processes took the cores (compiled rows include "
         "compiling, partly in worker processes).",
-        MEMORY_NOTE[args.device.startswith("cuda")],
+        MEMORY_NOTE[args.device.startswith("cuda")] + " Of the last run.",
     ]
     return "\n".join(lines)
 
