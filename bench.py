@@ -178,7 +178,9 @@ def peak_memory(device):
 
     The high-water mark of the resident set only ever grows, so a long-lived process
     reads each run's peak by resetting it first: writing 5 to /proc/self/clear_refs
-    sets VmHWM to the current VmRSS (Linux 4.0+). Memory freed by the earlier runs is
+    sets VmHWM to the current VmRSS (Linux 4.0+). The kernel raises the mark when memory
+    is unmapped, which is how torch's large CPU tensors are freed, and when it is read,
+    so a tensor freed within the run still counts. Memory freed by the earlier runs is
     handed back to the system first (gc, then glibc's malloc_trim), so that it is not
     counted in this run's start."""
     gc.collect()
