@@ -2,6 +2,7 @@
 
     python bench.py                                # SmolLM2-135M, batch 1 and 8, ~40 min on 2 cores
     python bench.py --compile none --runs 5 --out bench.md
+    python bench.py --device cuda --dtype bfloat16 --compile-mode reduce-overhead
     python bench.py --quick --ckpt TINY_CHECKPOINT # a smoke test, seconds
 
 On the same checkpoint, in one process, with the same torch threads, it times
@@ -21,6 +22,15 @@ the cores each row really got.
                  once: the output projection reads it whole) and the KV of the
                  tokens seen; tok/s = batch x bandwidth / bytes per step
   KV MiB         what the cache holds at the end (FastGen: % of the full cache)
+  peak MiB       the most memory the run held: on CPU the process's resident set
+                 (the kernel's high-water mark VmHWM, reset before each run, so one
+                 long-lived process still measures each run alone; it includes both
+                 models' weights), on CUDA torch's peak allocation on the GPU
+
+On CUDA (`--device cuda`, best with `--dtype bfloat16`) every timing waits for
+the GPU (`torch.cuda.synchronize`), and `--compile-mode reduce-overhead` replays
+the compiled decode step as a CUDA graph. A prompt plus its new tokens longer
+than the model's context is an error.
 
 Each number is the median (or with `--stat best` the fastest) of `--runs`
 runs, after a short warm-up; every run is also logged on stderr.
@@ -28,7 +38,10 @@ runs, after a short warm-up; every run is also logged on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime
+import gc
 import os
 import statistics
 import sys
@@ -41,23 +54,32 @@ from tqdm import tqdm
 import generate as gen
 
 
-def machine_info(threads: int) -> str:
+def machine_info(threads: int, device: str = "cpu") -> str:
     cpu = "unknown CPU"
     if Path("/proc/cpuinfo").is_file():
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), cpu)
-    return (f"{cpu}, {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}, "
+    gpu = f"{torch.cuda.get_device_name(device)}, " if device.startswith("cuda") else ""
+    return (f"{gpu}{cpu}, {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}, "
             f"{datetime.date.today().isoformat()}")
 
 
-def bandwidth_gbs(gib: float, reps: int = 5) -> float:
+def synchronize(device) -> None:
+    """Wait for the device: CUDA runs ahead of Python, so a timing must wait for it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth_gbs(gib: float, reps: int = 5, device="cpu") -> float:
     """Copy bandwidth in GB/s (1e9 bytes), counting read + write: 2 x size per copy."""
-    src = torch.ones(int(gib * 2**30) // 4)
+    src = torch.ones(int(gib * 2**30) // 4, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(reps + 1):  # the first copy also faults the pages in
+        synchronize(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return 2 * src.nbytes / statistics.median(times[1:]) / 1e9
 
@@ -65,18 +87,21 @@ def bandwidth_gbs(gib: float, reps: int = 5) -> float:
 def matmul_floor(model, reps: int = 5) -> float:
     """Decode steps/s at batch 1 if a step did nothing but the model's weight matmuls
     (one token through every linear layer, each weight read once, no attention): what
-    torch's own CPU kernels reach on these weights here, a practical ceiling."""
+    torch's own kernels reach on these weights here, a practical ceiling."""
     weights = list({p.data_ptr(): p for n, p in model.named_parameters()
                     if p.dim() == 2 and not n.startswith("tok_embeddings")}.values())
     if model.output.weight.data_ptr() not in {w.data_ptr() for w in weights}:
         weights.append(model.output.weight)
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    w0 = weights[0]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w0.dtype, device=w0.device) for w in weights}
     times = []
     with torch.no_grad():
         for _ in range(reps + 1):
+            synchronize(w0.device)
             t0 = time.perf_counter()
             for w in weights:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
+            synchronize(w0.device)
             times.append(time.perf_counter() - t0)
     return 1 / statistics.median(times[1:])
 
@@ -134,46 +159,161 @@ def with_cpu_share(fn):
     return out, cpu / (wall * min(torch.get_num_threads(), os.cpu_count()))
 
 
-def time_ours(model, prompts, new_tokens, kv, compile, flags, **options) -> dict:
-    g, share = with_cpu_share(lambda: gen.generate(model, prompts, new_tokens, kv=kv,
-                                                   compile=compile, token_flags=flags, **options))
+def process_memory(field: str) -> int | None:
+    """VmRSS (resident now) or VmHWM (its high-water mark) of this process in bytes; None
+    off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024  # kB
+
+
+@contextlib.contextmanager
+def peak_memory(device):
+    """Yield a dict that holds, after the block, the memory in use at its start and the
+    most it reached: `rss_start`, `rss_peak` (bytes; None where Linux's /proc is not
+    there) and on CUDA `gpu_start`, `gpu_peak` (torch's allocations on the GPU).
+
+    The high-water mark of the resident set only ever grows, so a long-lived process
+    reads each run's peak by resetting it first: writing 5 to /proc/self/clear_refs
+    sets VmHWM to the current VmRSS (Linux 4.0+). The kernel raises the mark when memory
+    is unmapped, which is how torch's large CPU tensors are freed, and when it is read,
+    so a tensor freed within the run still counts. Memory freed by the earlier runs is
+    handed back to the system first (gc, then glibc's malloc_trim), so that it is not
+    counted in this run's start."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    mem = dict(rss_start=process_memory("VmRSS"), rss_peak=None, gpu_start=None, gpu_peak=None)
+    if cuda:
+        mem["gpu_start"] = torch.cuda.memory_allocated(device)
+    yield mem
+    if reset:
+        mem["rss_peak"] = process_memory("VmHWM")
+    if cuda:
+        mem["gpu_peak"] = torch.cuda.max_memory_allocated(device)
+
+
+def time_ours(model, prompts, new_tokens, kv, compile, flags, compile_options=None,
+              **options) -> dict:
+    with peak_memory(model.tok_embeddings.weight.device) as mem:
+        g, share = with_cpu_share(lambda: gen.generate(
+            model, prompts, new_tokens, kv=kv, compile=compile, compile_options=compile_options,
+            token_flags=flags, **options))
     B = len(prompts)
     return dict(prefill=B * len(prompts[0]) / g.prefill_s, decode=B * g.decode_steps / g.decode_s,
                 cpu=share, compile_s=g.compile_s, kv=g.kv_bytes, full_kv=g.full_kv_bytes,
-                profile_share=g.profile_s / (g.prefill_s + g.decode_s))
+                profile_share=g.profile_s / (g.prefill_s + g.decode_s),
+                profile_prefill=g.profile_s / g.prefill_s, **mem)
 
 
 def time_hf(hf, prompts, new_tokens) -> dict:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf.device)
     B, T = ids.shape
 
     def run(n):
+        synchronize(hf.device)
         t0 = time.perf_counter()
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                           min_new_tokens=n, do_sample=False, use_cache=True,
                           return_dict_in_generate=True, pad_token_id=0)
+        synchronize(hf.device)
         return time.perf_counter() - t0, out
 
     t1, _ = run(1)
-    (tn, out), share = with_cpu_share(lambda: run(new_tokens))
+    with peak_memory(hf.device) as mem:
+        (tn, out), share = with_cpu_share(lambda: run(new_tokens))
     kv = sum(t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
     return dict(prefill=B * T / t1, decode=B * (new_tokens - 1) / (tn - t1), cpu=share,
-                compile_s=0.0, kv=kv, full_kv=kv, profile_share=0.0)
+                compile_s=0.0, kv=kv, full_kv=kv, profile_share=0.0, profile_prefill=0.0, **mem)
 
 
-def bench(args) -> str:
-    """Run every measurement; return the markdown report."""
+def peak_mib(t: dict) -> str:
+    """The peak memory column: the GPU's on CUDA, else the resident set's ("n/a" off Linux)."""
+    peak = t["gpu_peak"] if t["gpu_peak"] is not None else t["rss_peak"]
+    return "n/a" if peak is None else f"{peak / 2**20:.0f}"
+
+
+def load_pair(ckpt, dtype: str, device: str):
+    """Our model and HF transformers' of the same checkpoint, in `dtype` on `device`."""
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     from model import load_model
+    hf_logging.set_verbosity_error()
+    model = load_model(ckpt, gen.DTYPES[dtype], device)
+    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=gen.DTYPES[dtype]).to(device).eval()
+    return model, hf
+
+
+MEMORY_NOTE = {
+    False: "Peak RSS: the high-water mark of this process's resident memory (VmHWM) in a "
+           "run, reset before each run (5 to /proc/self/clear_refs); it includes both "
+           "models' weights and everything loaded, not the compiler's worker processes.",
+    True: "Peak GPU: the most memory torch had allocated on the GPU in a run "
+          "(torch.cuda.max_memory_allocated, reset before each run); it includes both "
+          "models' weights.",
+}
+
+
+def add_device_args(p) -> None:
+    """--device, --dtype and the compile flags, the same in bench.py and scaling.py."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for both "
+                   "implementations; on CUDA every timing waits for the GPU and the peak "
+                   "memory is the GPU's (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=list(gen.DTYPES),
+                   help="weights and KV cache of both implementations (default float32)")
+    p.add_argument("--compile", choices=["both", "only", "none"], help="our rows eager and "
+                   "compiled (both), compiled only, or eager only; transformers is always "
+                   "eager (default both; none with --quick)")
+    p.add_argument("--compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune"],
+                   help="torch.compile mode of our decode step: reduce-overhead replays it as "
+                        "a CUDA graph (CUDA only), max-autotune also tunes the kernels and "
+                        "compiles for longer (default default)")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
+                   help="torch.compile backend: inductor generates fused kernels; aot_eager "
+                        "only traces, compiles in seconds and runs at eager speed, for tests "
+                        "(default inductor)")
+
+
+def check_device_args(args) -> None:
+    """Settle the flags of `add_device_args`; UsageError (one line) for what cannot run here."""
+    gen.check_device(args.device, args.dtype)
+    if args.compile_mode != "default" and args.compile_backend != "inductor":
+        raise gen.UsageError(f"--compile-mode {args.compile_mode} needs --compile-backend inductor")
+    if args.compile_mode == "reduce-overhead" and not args.device.startswith("cuda"):
+        raise gen.UsageError("--compile-mode reduce-overhead makes CUDA graphs; it needs "
+                             "--device cuda")
+    args.compile = args.compile or ("none" if args.quick else "both")
+    args.compiled = {"both": [False, True], "only": [True], "none": [False]}[args.compile]
+    args.compile_options = dict(mode=None if args.compile_mode == "default" else args.compile_mode,
+                                backend=args.compile_backend)
+
+
+def bench(args) -> str:
+    """Run every measurement; return the markdown report."""
     from policies import token_flags
     from tokenizer import Tokenizer, TokenizerError
 
-    hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    model = load_model(args.ckpt)
-    hf = LlamaForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32).eval()
+    model, hf = load_pair(args.ckpt, args.dtype, args.device)
+    if args.prompt_len + args.new_tokens > model.args.max_seq_len:
+        raise gen.UsageError(
+            f"--prompt-len {args.prompt_len} plus --new-tokens {args.new_tokens} exceeds the "
+            f"model's context of {model.args.max_seq_len} tokens; lower one of them")
     V = model.args.vocab_size
     try:
         tok = Tokenizer(args.ckpt)
@@ -184,9 +324,8 @@ def bench(args) -> str:
     all_prompts = make_prompts(args, V, tok)
 
     wait_until_idle(args.idle_wait)
-    bw = bandwidth_gbs(args.bw_gib)
+    bw = bandwidth_gbs(args.bw_gib, device=args.device)
     floor = matmul_floor(model)
-    a = model.args
     w_bytes = weight_bytes(model)
     kv_token = gen.dense_kv_bytes(model, 1, 1)
     context = args.prompt_len + args.new_tokens / 2  # tokens attended, mean over the steps
@@ -195,12 +334,12 @@ def bench(args) -> str:
     # Each batch size and cache gets its own static graph, compiled once.
     torch._dynamo.config.automatic_dynamic_shapes = False
     configs = [("transformers", "", False)] + [
-        ("ours", kv, comp) for comp in args.compile for kv in ("full", "fastgen")]
+        ("ours", kv, comp) for comp in args.compiled for kv in ("full", "fastgen")]
 
     def run(impl, kv, comp, prompts, new_tokens):
         if impl == "transformers":
             return time_hf(hf, prompts, new_tokens)
-        return time_ours(model, prompts, new_tokens, kv, comp, flags)
+        return time_ours(model, prompts, new_tokens, kv, comp, flags, args.compile_options)
 
     rows = []
     bar = tqdm(total=len(args.batch) * len(configs) * args.runs, desc="bench", unit="run")
@@ -234,16 +373,19 @@ def bench(args) -> str:
                          f"{m['decode'] / hf_speed['decode']:.2f}x",
                          f"{m['decode'] / roofline(B):.1%}", kv_mib,
                          f"{max(t['compile_s'] for t in ts):.1f}" if comp else "",
-                         f"{m['cpu']:.0%}"])
+                         peak_mib(ts[-1]), f"{m['cpu']:.0%}"])
     bar.close()
 
     header = ["impl", "batch", "compile", "prefill tok/s", "decode tok/s", "prefill vs HF",
-              "decode vs HF", "% of roofline", "KV MiB", "compile s", "CPU share"]
+              "decode vs HF", "% of roofline", "KV MiB", "compile s",
+              "peak GPU MiB" if args.device.startswith("cuda") else "peak RSS MiB", "CPU share"]
     prompt = f"slices of {args.prompt_file}" if args.prompt_file else f"random ids, seed {args.seed}"
     lines = [
-        f"Machine: {machine_info(args.threads)}",
-        f"Checkpoint: `{args.ckpt}`, float32; prompt {args.prompt_len} tokens ({prompt}), "
-        f"{args.new_tokens} new tokens, greedy; {args.stat} of {args.runs} run(s)",
+        f"Machine: {machine_info(args.threads, args.device)}",
+        f"Checkpoint: `{args.ckpt}`, {args.dtype} on {args.device}; prompt {args.prompt_len} "
+        f"tokens ({prompt}), {args.new_tokens} new tokens, greedy; {args.stat} of {args.runs} "
+        f"run(s); compiled rows: torch.compile backend {args.compile_backend}, mode "
+        f"{args.compile_mode}",
         f"Command: `python bench.py {' '.join(args.argv)}`",
         "",
         "| " + " | ".join(header) + " |",
@@ -259,11 +401,12 @@ def bench(args) -> str:
         + " (FastGen rows are compared with the full cache's roofline).",
         f"Weight matmuls alone (batch 1, every linear layer once, no attention, median of 5): "
         f"{floor:.1f} steps/s, {w_bytes * floor / 1e9:.1f} GB/s of weights: the ceiling "
-        f"torch's CPU kernels set for a batch-1 decode step here "
+        f"torch's kernels set for a batch-1 decode step here "
         f"({floor / roofline(1):.0%} of the roofline).",
         "CPU share: CPU time of this process / (wall time x threads), median of the runs; "
         "well under 100% means other processes took the cores (compiled rows include "
         "compiling, partly in worker processes).",
+        MEMORY_NOTE[args.device.startswith("cuda")] + " Of the last run.",
     ]
     return "\n".join(lines)
 
@@ -285,10 +428,8 @@ def parse_args(argv=None):
     p.add_argument("--stat", choices=["median", "best"], default="median",
                    help="report the median or the fastest of the runs; best suits a machine "
                         "that other processes share (default median)")
-    p.add_argument("--compile", dest="compile_mode", default="both",
-                   choices=["both", "only", "none"],
-                   help="our rows eager and compiled (both, default), compiled only, or eager only")
-    p.add_argument("--no-compile", dest="compile_mode", action="store_const", const="none",
+    add_device_args(p)
+    p.add_argument("--no-compile", dest="compile", action="store_const", const="none",
                    help="same as --compile none")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help=f"torch threads for both implementations (default {torch.get_num_threads()}, "
@@ -299,21 +440,21 @@ def parse_args(argv=None):
     p.add_argument("--idle-wait", type=float, default=300, help="before each run, wait up "
                    "to this many seconds for other processes to leave the CPUs (default 300)")
     p.add_argument("--quick", action="store_true", help="smoke test: prompt 32, 8 new tokens, "
-                   "batch 1, 1 run, no compile, 64 MiB bandwidth copy")
+                   "batch 1, 1 run, no compiled rows unless --compile says, 64 MiB bandwidth copy")
     p.add_argument("--out", help="also write the markdown report to this file")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.quick:
         args.prompt_len, args.new_tokens, args.batch, args.runs = 32, 8, [1], 1
-        args.compile_mode, args.bw_gib, args.idle_wait = "none", 1 / 16, 0
+        args.bw_gib, args.idle_wait = 1 / 16, 0
     args.batch = sorted(set(args.batch or [1, 8]))
-    args.compile = {"both": [False, True], "only": [True], "none": [False]}[args.compile_mode]
     if (args.new_tokens < 2 or args.prompt_len < 8 or args.runs < 1 or min(args.batch) < 1
             or args.threads < 1):
         p.error("need --new-tokens >= 2, --prompt-len >= 8, --runs >= 1, --batch >= 1 "
                 "and --threads >= 1")
     if args.out and not (Path(args.out).parent.is_dir() and not Path(args.out).is_dir()):
         p.error(f"--out {args.out}: give a file in an existing folder")
+    check_device_args(args)
     from convert_gguf import checkpoint_folder
     args.ckpt = checkpoint_folder(args.ckpt)
     return args

@@ -68,12 +68,14 @@ def decode_one_token(model: Transformer, token, input_pos, **sampling):
     return sample(model(token, input_pos)[:, -1], **sampling)[:, None]
 
 
-_compiled_decode = None
+_compiled_decode: dict = {}
 
 
-def compiled_decode():
-    global _compiled_decode
-    if _compiled_decode is None:
+def compiled_decode(mode: str | None = None, backend: str = "inductor"):
+    """`decode_one_token` under torch.compile, built once per (mode, backend). Mode
+    "reduce-overhead" replays the step as a CUDA graph; backend "aot_eager" traces
+    without generating kernels, which tests use because it compiles in seconds."""
+    if (mode, backend) not in _compiled_decode:
         # Each batch size and cache kind is one more compiled graph; a benchmark
         # sweeping them needs more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = 64
@@ -81,14 +83,16 @@ def compiled_decode():
         # buffers static shapes, like parameters, unless told otherwise, and would
         # compile once per growth instead of once more (with a dynamic size) in all.
         torch._dynamo.config.force_parameter_static_shapes = False
-        _compiled_decode = torch.compile(decode_one_token, fullgraph=True)
-    return _compiled_decode
+        _compiled_decode[mode, backend] = torch.compile(decode_one_token, fullgraph=True,
+                                                        mode=mode, backend=backend)
+    return _compiled_decode[mode, backend]
 
 
 def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bool = False,
-           **sampling):
+           compile_options: dict | None = None, **sampling):
     """Decode from `cur` (B, 1) at `input_pos` (B, 1), advanced in place, until `emit(cur)`
-    says every sequence is done or `max_steps` steps are taken.
+    says every sequence is done or `max_steps` steps are taken. With `compile`, the step
+    is `compiled_decode(**compile_options)`.
 
     Returns (steps, decode_s, compile_s, interrupted). A Ctrl-C stops decoding and keeps what
     was made; a caller that must keep its cache consistent stops through `emit` instead,
@@ -96,7 +100,7 @@ def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bo
     """
     device = model.tok_embeddings.weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step = compiled_decode() if compile else decode_one_token
+    step = compiled_decode(**(compile_options or {})) if compile else decode_one_token
     decode_s = compile_s = 0.0
     steps = 0
     try:
@@ -234,14 +238,15 @@ class Generation:
 
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
-             kv: str = "full", eos_ids=(), compile: bool = False, on_token=None,
-             token_flags=None, temperature=0.0, top_k=None, top_p=1.0,
+             kv: str = "full", eos_ids=(), compile: bool = False, compile_options=None,
+             on_token=None, token_flags=None, temperature=0.0, top_k=None, top_p=1.0,
              **cache_options) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (token ids), as one batch.
 
     Prompts are right-padded; each sequence keeps its own positions, so a
     short prompt never sees padding. `on_token(b, id)` is called for each new
-    token of sequence b as it is produced. `cache_options` go to `make_caches`.
+    token of sequence b as it is produced. `cache_options` go to `make_caches`;
+    `compile_options` (mode, backend) to `compiled_decode`.
     """
     device = model.tok_embeddings.weight.device
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -272,7 +277,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     steps, decode_s, compile_s, interrupted = 0, 0.0, 0.0, False
     if not emit(cur):
         steps, decode_s, compile_s, interrupted = decode(
-            model, cur, prompt_lens[:, None].clone(), max_new_tokens - 1, emit, compile, **sampling)
+            model, cur, prompt_lens[:, None].clone(), max_new_tokens - 1, emit, compile,
+            compile_options, **sampling)
     caches = model.caches()
     gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
                      compile_s, sum(c.nbytes() for c in caches),
@@ -355,14 +361,21 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
     for flag, r in (("--r-local", r_local), ("--r-frequent", r_frequent), ("--kv-budget", kv_budget)):
         need(r is None or 0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
     need(kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {kv!r})")
-    need(dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    check_device(device, dtype)
+
+
+def check_device(device: str, dtype: str) -> None:
+    """Raise UsageError unless `dtype` runs on `device` on this machine (the scripts share it)."""
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise UsageError(f"--device {device!r} is not a device name; use cpu, cuda or cuda:N")
-    need(dev.type != "cuda" or torch.cuda.is_available(),
-         "--device cuda asked for, but this machine has no CUDA GPU; use --device cpu")
-    need(dev.type in ("cpu", "cuda", "mps"), f"--device {device!r} is not supported; use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but this machine has no CUDA GPU; use --device cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {device!r} is not supported; use cpu or cuda")
     try:
         x = torch.ones(2, 2, dtype=DTYPES[dtype], device=dev)
         (x @ x).softmax(-1)

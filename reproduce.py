@@ -1,7 +1,7 @@
 """Every measurement of the README's "Results", one command.
 
-    python reproduce.py              # the studies at light settings, 32 min on 2 cores
-    python reproduce.py --full       # the README's settings (medians of 3, compiled rows), ~1.5 h
+    python reproduce.py              # the studies at light settings, about an hour on 2 cores (estimated)
+    python reproduce.py --full       # the README's settings (medians of 3, compiled rows), hours
     python reproduce.py --quick --ckpt TINY_CHECKPOINT   # a smoke test, seconds
 
 It runs, one after the other (never side by side: they time things):
@@ -38,7 +38,8 @@ def steps(args) -> tuple[list[tuple[str, list[str]]], list[str]]:
             "--paper-thresholds", "0.9", "0.98"])]),
         ("speed against transformers", ["bench.py", "--out", str(out / "bench.md")]
          + (["--compile", "none"] if light else []) + light),
-        ("speed and memory scaling", ["scaling.py", "--out", str(out / "scaling")] + light),
+        ("speed and memory scaling", ["scaling.py", "--out", str(out / "scaling")]
+         + (["--compile", "none"] if light else []) + light),
     ], common
 
 
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
                                 "one after the other, writing into --out.")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--full", action="store_true", help="the README's settings: medians of 3 "
-                   "runs and the compiled rows of bench.py (~1.5 h on 2 cores instead of 32 min)")
+                   "runs and the compiled rows of bench.py and scaling.py (hours on 2 cores "
+                   "instead of about one)")
     p.add_argument("--quick", action="store_true", help="every script in its --quick mode")
     p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--peer", action="store_true", help="also run NVIDIA kvpress in evaluate.py "

@@ -3,14 +3,45 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_quick(tiny_ckpt, tmp_path):
+def bench(*args):
+    return subprocess.run([sys.executable, str(ROOT / "bench.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_quick_eager_and_compiled(tiny_ckpt, tmp_path):
+    # aot_eager compiles in seconds; inductor would take a minute here.
     out = tmp_path / "bench.md"
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--quick", "--ckpt", str(tiny_ckpt),
-                        "--idle-wait", "0", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = bench("--quick", "--ckpt", tiny_ckpt, "--threads", 1, "--compile", "both",
+              "--compile-backend", "aot_eager", "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     table = out.read_text()
-    assert "transformers" in table and "fastgen" in table and "roofline" in table.lower()
+    assert "roofline" in table.lower() and "VmHWM" in table
+    header, _, *rows = [line for line in table.splitlines() if line.startswith("|")]
+    rows = {tuple(c.strip() for c in row.strip("|").split("|")[:3]): row for row in rows}
+    assert set(rows) == {("transformers", "1", "no"), ("ours full", "1", "no"),
+                         ("ours fastgen", "1", "no"), ("ours full", "1", "yes"),
+                         ("ours fastgen", "1", "yes")}
+    col = [c.strip() for c in header.strip("|").split("|")].index("peak RSS MiB")
+    for row in rows.values():
+        assert float(row.strip("|").split("|")[col]) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_bench_cuda_without_gpu_is_one_line(tiny_ckpt):
+    r = bench("--quick", "--ckpt", tiny_ckpt, "--device", "cuda")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: --device cuda asked for, but this machine has no CUDA GPU; use --device cpu")
+
+
+def test_bench_prompt_longer_than_context(tiny_ckpt):
+    # The tiny model's context is 256 tokens.
+    r = bench("--ckpt", tiny_ckpt, "--prompt-len", 250, "--idle-wait", 0)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "exceeds the model's context of 256 tokens" in r.stderr.strip().splitlines()[-1]
