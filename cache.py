@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -254,6 +255,10 @@ class FastGenCache(nn.Module):
             start[g.seg] = (g.first + g.pages * torch.arange(len(g.seg), device=start.device)) * \
                 self.page
         self.register_buffer("start", start, persistent=False)
+        # Compiled code sees the pool's page count as dynamic from the first step:
+        # a growth, in whichever layer, then needs no new graph.
+        for name in (*SLOT_FIELDS, "owner"):
+            torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
 
     # --- Decode ------------------------------------------------------------------
 

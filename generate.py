@@ -79,10 +79,6 @@ def compiled_decode(mode: str | None = None, backend: str = "inductor"):
         # Each batch size and cache kind is one more compiled graph; a benchmark
         # sweeping them needs more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = 64
-        # A compressed cache's page pool grows between steps. Dynamo gives module
-        # buffers static shapes, like parameters, unless told otherwise, and would
-        # compile once per growth instead of once more (with a dynamic size) in all.
-        torch._dynamo.config.force_parameter_static_shapes = False
         _compiled_decode[mode, backend] = torch.compile(decode_one_token, fullgraph=True,
                                                         mode=mode, backend=backend)
     return _compiled_decode[mode, backend]
