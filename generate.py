@@ -79,6 +79,9 @@ def compiled_decode(mode: str | None = None, backend: str = "inductor"):
         # Each batch size and cache kind is one more compiled graph; a benchmark
         # sweeping them needs more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = 64
+        # A compressed cache's page pool grows between steps, and marks its size
+        # dynamic; dynamo ignores that for module buffers unless told otherwise.
+        torch._dynamo.config.force_parameter_static_shapes = False
         _compiled_decode[mode, backend] = torch.compile(decode_one_token, fullgraph=True,
                                                         mode=mode, backend=backend)
     return _compiled_decode[mode, backend]

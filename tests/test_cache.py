@@ -274,6 +274,7 @@ def fresh_compile():
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
+    torch._dynamo.config.force_parameter_static_shapes = False  # as generate.compiled_decode
     return torch.compile(decode_one_token, fullgraph=True, backend=BACKEND), counters
 
 
