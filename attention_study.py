@@ -65,10 +65,11 @@ def profile_prompt(model, prompt, flags, policies):
 def derive(model, rec, kept, threshold, prompt_len):
     """What the cache does at `threshold`: each head's policy (L, K), its recovery
     and kept tokens (L, K), and the bytes the cache allocates."""
-    # cache.py's pool: K and V (D values each), pos int32, score and last float32,
-    # flags uint8 per slot; the owner int64 per page; start, seen, prompt_len,
-    # first_query and dest int64 per segment (and no free slots handed out yet).
-    per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 4 + 1
+    # cache.py's pool: K and V (D values each), pos int32, score float32, flags
+    # uint8 per slot (no latest attention: no shortlist policy reads it); the
+    # owner int64 per page; start, seen, prompt_len, first_query and dest int64
+    # per segment (and no free slots handed out yet).
+    per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
     choice = torch.stack([choose(r, threshold) for r in rec])  # (L, K)
     n_kept = kept.gather(2, choice[..., None])[..., 0]
     nbytes = 0

@@ -46,7 +46,7 @@ from profiling import attention_sums, choose, fit_budget, local_ratios, recoveri
 
 # Slots per page: a segment wastes at most a page minus one slot to rounding, and
 # a page is one small matrix product per step, so pages grow with the prompt.
-MIN_PAGE, MAX_PAGE = 16, 128
+MIN_PAGE, MAX_PAGE = 4, 128
 EVICT_EVERY = 8  # tokens between evictions; each segment holds at most this many extra
 # Segments share a group while the largest holds at most this much more than
 # the smallest (plus a page): the rest of a group's width is padding.
@@ -204,7 +204,11 @@ class FastGenCache(nn.Module):
         P = self.page
         room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
         growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)  # (S, M)
-        self.groups, blocks = [], {name: [] for name in SLOT_FIELDS}
+        chosen = [self.policies[i] for i in self.choice.unique().tolist()]
+        # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
+        self.fields = {n: e for n, e in SLOT_FIELDS.items()
+                       if n != "last" or any(p.reads_last for p in chosen)}
+        self.groups, blocks = [], {name: [] for name in self.fields}
         sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score,
                        last=prompt.last if prompt.last is not None else prompt.score,
                        flags=prompt.flags)
@@ -220,7 +224,7 @@ class FastGenCache(nn.Module):
                 keep = keeps[i][group.seg]
                 order = (~keep).int().argsort(dim=1, stable=True)[:, :min(T, C)]
                 held = torch.arange(order.shape[1], device=k.device) < keep.sum(1, keepdim=True)
-                for name, empty in SLOT_FIELDS.items():
+                for name, empty in self.fields.items():
                     src = sources[name][group.seg]
                     idx = order if src.dim() == 2 else order[..., None].expand(n, -1, D)
                     taken = src.gather(1, idx)
@@ -257,7 +261,7 @@ class FastGenCache(nn.Module):
         self.register_buffer("start", start, persistent=False)
         # Compiled code sees the pool's page count as dynamic from the first step:
         # a growth, in whichever layer, then needs no new graph.
-        for name in (*SLOT_FIELDS, "owner"):
+        for name in (*self.fields, "owner"):
             torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
 
     # --- Decode ------------------------------------------------------------------
@@ -278,7 +282,8 @@ class FastGenCache(nn.Module):
         self.seen.copy_(pos + 1)
         y, probs = paged_attention(q.view(S, H // K, D), self.k, self.v, self.pos >= 0, self.owner)
         last = probs.mean(1)  # (N, P), averaged over the G query heads
-        self.last.copy_(last)
+        if "last" in self.fields:
+            self.last.copy_(last)
         self.score += last
         return y.view(B, H, 1, D)
 
@@ -299,7 +304,8 @@ class FastGenCache(nn.Module):
         seg = g.seg
         return Slots(g.block(self.pos), g.block(self.score), g.block(self.flags),
                      self.seen[seg, None], self.seg_prompt_len[seg, None],
-                     self.seg_first_query[seg, None], g.block(self.last))
+                     self.seg_first_query[seg, None],
+                     g.block(self.last) if "last" in self.fields else None)
 
     def evict(self):
         for g in self.groups:
@@ -339,10 +345,10 @@ class FastGenCache(nn.Module):
 
     def widen(self, grow: dict[int, int]):
         """Add `grow[i]` empty pages to each segment of group i; the pool is rebuilt."""
-        parts = {name: [] for name in SLOT_FIELDS}
+        parts = {name: [] for name in self.fields}
         for i, g in enumerate(self.groups):
             extra = grow.get(i, 0)
-            for name, empty in SLOT_FIELDS.items():
+            for name, empty in self.fields.items():
                 t = getattr(self, name)[g.first:g.first + len(g.seg) * g.pages]
                 t = t.reshape(len(g.seg), g.pages, *t.shape[1:])
                 pad = t.new_full((len(g.seg), extra, *t.shape[2:]), empty)
@@ -355,14 +361,13 @@ class FastGenCache(nn.Module):
 
     # --- What the cache holds ------------------------------------------------------
 
-    STATE = (*SLOT_FIELDS, "owner", "start", "seen", "seg_prompt_len", "seg_first_query", "dest",
-             "free")
+    STATE = ("owner", "start", "seen", "seg_prompt_len", "seg_first_query", "dest", "free")
 
     def nbytes(self) -> int:
         """Bytes the cache really holds: K, V and every index and score tensor."""
         if self.groups is None:
             return 0
-        return sum(getattr(self, name).nbytes for name in self.STATE)
+        return sum(getattr(self, name).nbytes for name in (*self.fields, *self.STATE))
 
     def kept(self) -> int:
         return int((self.pos >= 0).sum()) if self.groups is not None else 0

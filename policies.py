@@ -98,6 +98,8 @@ class Policy:
     # True when, once the prompt is compressed, `keep` keeps everything held and
     # every new token: decoding then never needs to ask.
     never_evicts = False
+    # True when `keep` reads `Slots.last`, which the cache then keeps up to date.
+    reads_last = False
 
     def keep(self, s: Slots) -> torch.Tensor:
         """Bool (N, C): which of the held tokens this policy keeps."""
@@ -212,6 +214,8 @@ class TOVA(Policy):
     """The ceil(r * prompt_len) tokens the latest query attends to most (Oren et
     al., 2024): a fixed-size cache that evicts the least attended token each step."""
 
+    reads_last = True
+
     def __init__(self, r: float):
         self.r = r
 
@@ -257,6 +261,10 @@ class Union(Policy):
     @property
     def never_evicts(self):
         return any(m.never_evicts for m in self._members)
+
+    @property
+    def reads_last(self):
+        return any(m.reads_last for m in self._members)
 
     def keep(self, s):
         kept = s.keeps(self._members[0])

@@ -209,6 +209,8 @@ def pool_bytes(cache):
     named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "seen", "seg_prompt_len",
              "seg_first_query", "dest", "free"}
     buffers = dict(cache.named_buffers())
+    if not any(p.reads_last for p in cache.plan()):
+        named.remove("last")  # kept only for a policy that reads it (TOVA)
     assert set(buffers) == named | {"prompt_lens", "token_flags"}  # the last two: inputs
     assert not list(cache.parameters())
     return sum(buffers[n].nbytes for n in named)
@@ -227,8 +229,7 @@ def test_reported_compression_is_what_the_tensors_hold():
         assert c.cache.nbytes() == pool_bytes(c.cache)
         N, P, D = c.cache.k.shape
         assert c.cache.v.shape == (N, P, D) and c.cache.owner.shape == (N,)
-        assert all(t.shape == (N, P) for t in (c.cache.pos, c.cache.score, c.cache.flags,
-                                               c.cache.last))
+        assert all(t.shape == (N, P) for t in (c.cache.pos, c.cache.score, c.cache.flags))
         # Each group's block is as wide as its fullest segment plus one round of new
         # tokens, rounded up to a page.
         for g in c.cache.groups:

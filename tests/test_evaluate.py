@@ -25,7 +25,9 @@ def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
     for name, r in rows.items():
         assert r["kl"] >= 0, name
         assert 0 <= r["top1"] <= 1 and 0 <= r["pk_acc"] <= 1, name
-        assert 0 < r["share"] <= 1.1 and 0 < r["pk_share"] <= 1.1, name
+        # Prompts of a few dozen tokens: a compressed head's round of free slots
+        # (evict_every) and its index tensors weigh more than at real sizes.
+        assert 0 < r["share"] <= 1.25 and 0 < r["pk_share"] <= 1.25, name
         assert math.isfinite(r["ppl"]) and r["ppl"] > 1, name
     assert rows["local b=0.3"]["share"] < rows["local b=0.6"]["share"] < 1
     md = (tmp_path / "quality.md").read_text()
