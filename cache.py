@@ -74,8 +74,8 @@ class Group:
 
 
 def page_size(prompt_len: int) -> int:
-    """About a 32nd of the prompt, a power of two between MIN_PAGE and MAX_PAGE."""
-    return min(MAX_PAGE, max(MIN_PAGE, 1 << max(0, prompt_len // 32 - 1).bit_length()))
+    """About a 64th of the prompt, a power of two between MIN_PAGE and MAX_PAGE."""
+    return min(MAX_PAGE, max(MIN_PAGE, 1 << max(0, prompt_len // 64 - 1).bit_length()))
 
 
 def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int]]:
