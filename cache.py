@@ -209,8 +209,7 @@ class FastGenCache(nn.Module):
         self.fields = {n: e for n, e in SLOT_FIELDS.items()
                        if n != "last" or any(p.reads_last for p in chosen)}
         self.groups, blocks = [], {name: [] for name in self.fields}
-        sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score,
-                       last=prompt.last if prompt.last is not None else prompt.score,
+        sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
                        flags=prompt.flags)
         for i in self.choice.unique().tolist():
             policy, seg = self.policies[i], (self.choice == i).nonzero()[:, 0]
