@@ -224,12 +224,10 @@ class FastGenCache(nn.Module):
                 order = (~keep).int().argsort(dim=1, stable=True)[:, :min(T, C)]
                 held = torch.arange(order.shape[1], device=k.device) < keep.sum(1, keepdim=True)
                 for name, empty in self.fields.items():
-                    src = sources[name][group.seg]
-                    idx = order if src.dim() == 2 else order[..., None].expand(n, -1, D)
-                    taken = src.gather(1, idx)
-                    mask = held if src.dim() == 2 else held[..., None]
+                    taken = sources[name][group.seg[:, None], order]  # (n, w) or (n, w, D)
+                    mask = held if taken.dim() == 2 else held[..., None]
                     taken = taken.masked_fill(~mask, empty)
-                    taken = F.pad(taken, (0, 0, 0, C - taken.shape[1]) if src.dim() == 3
+                    taken = F.pad(taken, (0, 0, 0, C - taken.shape[1]) if taken.dim() == 3
                                   else (0, C - taken.shape[1]), value=empty)
                     blocks[name].append(taken.reshape(n * group.pages, P, *taken.shape[2:]))
                 self.groups.append(group)

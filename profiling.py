@@ -73,9 +73,9 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
         colsum += attn[:, :, -1]
         if ratios:
             end = (cols + windows[..., None] - 1 - i0).clamp(max=len(r) - 1)  # (R, B, T)
-            at = end.clamp(min=0)[:, :, None, None, :].expand(-1, B, H, 1, T)
-            got = attn.expand(len(ratios), *attn.shape).gather(3, at)[:, :, :, 0]  # (R, B, H, T)
-            bands += got * (end >= 0)[:, :, None, :]
+            at = (end.clamp(min=0) * T + cols).transpose(0, 1).reshape(B, 1, -1).expand(B, H, -1)
+            got = attn.view(B, H, -1).gather(2, at).view(B, H, len(ratios), T)
+            bands += got.permute(2, 0, 1, 3) * (end >= 0)[:, :, None, :]  # (R, B, H, T)
     # The last row again, alone: what TOVA ranks the prompt by.
     q_last = q[torch.arange(B), :, lens - 1][:, :, None].float()  # (B, H, 1, D)
     last = (q_last @ kt).masked_fill(cols >= lens[:, None, None, None], -float("inf"))
