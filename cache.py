@@ -179,39 +179,39 @@ class FastGenCache(nn.Module):
         B, K, T, D = k.shape
         prompt, self.recovery = self.profile(q, k, tokens, self.rows, self.sink)
         keeps = [prompt.keeps(p) for p in self.policies]  # (S, T) each
+        growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)  # (S, M)
         if len(self.policies) == 1:
             self.choice = torch.zeros(B * K, dtype=torch.long)
         elif self.budget is not None:
             # A head's cost: the prompt tokens it keeps and what it will keep of
             # the new ones; the budget: a share of what a full cache would hold.
             new = self.max_new_tokens - 1
-            growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)
             costs = torch.stack(keeps, dim=1).sum(2) + torch.ceil(growth * new).long()  # (S, M)
             allowed = int(self.budget * (prompt.prompt_len + new).sum())
             self.choice = fit_budget(self.recovery, costs, allowed)
         else:
             self.choice = choose(self.recovery, self.threshold)
-        self.compress(prompt, keeps, k.reshape(B * K, T, D), v.reshape(B * K, T, D))
+        self.compress(prompt, keeps, growth, k.reshape(B * K, T, D), v.reshape(B * K, T, D))
         self.profile_s = _clock(q.device) - t0
         return y
 
-    def compress(self, prompt: Slots, keeps, k, v):
+    def compress(self, prompt: Slots, keeps, growth, k, v):
         """Build the pool from what each segment's policy keeps of its prompt.
-        k, v: (S, T, D) the uncompressed prompt keys and values."""
+        growth: (S, M) each policy's `growth`; k, v: (S, T, D) the uncompressed
+        prompt keys and values."""
         S, T, D = k.shape
         if self.page is None:
             self.page = page_size(int(self.prompt_lens.max()))
         P = self.page
         room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
-        growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)  # (S, M)
-        chosen = [self.policies[i] for i in self.choice.unique().tolist()]
+        chosen = self.choice.unique().tolist()
         # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
         self.fields = {n: e for n, e in SLOT_FIELDS.items()
-                       if n != "last" or any(p.reads_last for p in chosen)}
+                       if n != "last" or any(self.policies[i].reads_last for i in chosen)}
         self.groups, blocks = [], {name: [] for name in self.fields}
         sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
                        flags=prompt.flags)
-        for i in self.choice.unique().tolist():
+        for i in chosen:
             policy, seg = self.policies[i], (self.choice == i).nonzero()[:, 0]
             kept = keeps[i][seg].sum(1)
             seg, kept = seg[kept.argsort(stable=True)], kept.sort(stable=True).values

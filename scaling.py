@@ -74,14 +74,13 @@ def cells(args) -> list[tuple[int, int]]:
 
 
 def summarize(ts: list[dict]) -> dict:
-    """One row from its runs: the median speeds and shares, the highest peak memory (the
-    first compiled run's includes compiling), the bytes of the last run."""
+    """One row from its runs: the median speeds and shares, the highest peak memory, the
+    bytes of the last run."""
     top = max(ts, key=lambda t: t["gpu_peak"] or t["rss_peak"] or 0)
     return ({k: statistics.median(t[k] for t in ts)
              for k in ("prefill", "decode", "cpu", "profile_share", "profile_prefill")}
             | {k: top[k] for k in ("rss_start", "rss_peak", "gpu_start", "gpu_peak")}
-            | dict(kv=ts[-1]["kv"], full_kv=ts[-1]["full_kv"],
-                   compile_s=max(t["compile_s"] for t in ts), runs=ts))
+            | dict(kv=ts[-1]["kv"], full_kv=ts[-1]["full_kv"], runs=ts))
 
 
 def measure(args) -> dict:
@@ -123,13 +122,14 @@ def measure(args) -> dict:
     rows = []
     for n, B in grid:
         prompts = text_prompts(tok, B, n, n, seed=args.seed)
+        compile_s = {}
         if compiling:
-            # Each cell gets static graphs of its own, compiled here, untimed, with the
-            # recompile at FastGen's first growth (after which its pool's size is dynamic).
+            # Each cell gets graphs of its own, compiled here, in an untimed run
+            # (FastGen's pool size is dynamic in its graph, so growing compiles nothing).
             torch._dynamo.reset()
             for v in impls:
                 if v[1]:
-                    run(*v, prompts, args.new_tokens)
+                    compile_s[v] = run(*v, prompts, args.new_tokens)["compile_s"]
         got = {v: [] for v in impls}
         for _ in range(args.runs):
             for v in impls:
@@ -139,7 +139,8 @@ def measure(args) -> dict:
                 bar.update()
         for (impl, compiled), ts in got.items():
             rows.append(dict(prompt=n, batch=B, impl=impl, compiled=compiled,
-                             new_tokens=args.new_tokens, **summarize(ts)))
+                             new_tokens=args.new_tokens,
+                             **summarize(ts), compile_s=compile_s.get((impl, compiled), 0.0)))
     profile = [r for r in rows if reuse and (r["impl"], r["compiled"]) in profilers
                and (r["prompt"], r["batch"]) == (batch_len, 1)]
     for n_new in long:
@@ -238,8 +239,8 @@ def report(res: dict) -> str:
         "DynamicCache tensors; ours: `nbytes()`, K, V and every index and score tensor; "
         "FastGen: % of our full cache). Profiling / prefill: FastGen's profiling and "
         "compression time / its prefill time. "
-        + MEMORY_NOTE[gpu] + " The highest of the runs (a compiled row's first run includes "
-        "compiling); run's own: that peak less what was held when the run began. CPU share: "
+        + MEMORY_NOTE[gpu] + " The highest of the runs (compiling happens in an untimed run "
+        "before them); run's own: that peak less what was held when the run began. CPU share: "
         "the median of CPU time / (wall x threads); well under 100% means other processes "
         "took the cores.",
         "",
