@@ -192,9 +192,11 @@ class KVCache(nn.Module):
 
     def forward(self, q, k, v, input_pos, tokens) -> torch.Tensor:
         B, K, T, D = k.shape
-        index = input_pos[:, None, :, None].expand(B, K, T, D)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
+        # Written by indexing, not scatter_: compiled code updates the buffer in
+        # place only then (a scatter_ copied the whole cache every step, 2026-11-30).
+        rows = torch.arange(B, device=k.device)[:, None]
+        self.k[rows, :, input_pos] = k.transpose(1, 2)  # (B, T, K, D) slots
+        self.v[rows, :, input_pos] = v.transpose(1, 2)
         if T > 1:
             # The one host sync of this class, on multi-token calls only (never
             # while decoding): how far the buffer is filled decides what to read.
