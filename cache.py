@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model import causal_attention
 from policies import Policy, Slots
@@ -181,7 +180,7 @@ class FastGenCache(nn.Module):
         keeps = [prompt.keeps(p) for p in self.policies]  # (S, T) each
         growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)  # (S, M)
         if len(self.policies) == 1:
-            self.choice = torch.zeros(B * K, dtype=torch.long)
+            self.choice = torch.zeros(B * K, dtype=torch.long, device=k.device)
         elif self.budget is not None:
             # A head's cost: the prompt tokens it keeps and what it will keep of
             # the new ones; the budget: a share of what a full cache would hold.
@@ -208,31 +207,21 @@ class FastGenCache(nn.Module):
         # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
         self.fields = {n: e for n, e in SLOT_FIELDS.items()
                        if n != "last" or any(self.policies[i].reads_last for i in chosen)}
-        self.groups, blocks = [], {name: [] for name in self.fields}
-        sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
-                       flags=prompt.flags)
+        keep = torch.stack(keeps)[self.choice, torch.arange(S, device=k.device)]  # (S, T)
+        kept = keep.sum(1)
+        self.groups = []
         for i in chosen:
-            policy, seg = self.policies[i], (self.choice == i).nonzero()[:, 0]
-            kept = keeps[i][seg].sum(1)
-            seg, kept = seg[kept.argsort(stable=True)], kept.sort(stable=True).values
-            for g, pages in group_pages(kept.tolist(), room, P):
-                n = len(seg[g])
-                group = Group(policy, seg[g], float(growth[seg[g], i].max()), pages=pages)
-                C = pages * P
-                # Kept tokens first, in position order; they fill columns 0..kept-1.
-                keep = keeps[i][group.seg]
-                order = (~keep).int().argsort(dim=1, stable=True)[:, :min(T, C)]
-                held = torch.arange(order.shape[1], device=k.device) < keep.sum(1, keepdim=True)
-                for name, empty in self.fields.items():
-                    taken = sources[name][group.seg[:, None], order]  # (n, w) or (n, w, D)
-                    mask = held if taken.dim() == 2 else held[..., None]
-                    taken = taken.masked_fill(~mask, empty)
-                    taken = F.pad(taken, (0, 0, 0, C - taken.shape[1]) if taken.dim() == 3
-                                  else (0, C - taken.shape[1]), value=empty)
-                    blocks[name].append(taken.reshape(n * group.pages, P, *taken.shape[2:]))
+            seg = (self.choice == i).nonzero()[:, 0]
+            seg = seg[kept[seg].argsort(stable=True)]
+            sizes = kept[seg].tolist()
+            for g, pages in group_pages(sizes, room, P):
+                group = Group(self.policies[i], seg[g], float(growth[seg[g], i].max()))
+                # Room from the start for what the budget charged the policy for
+                # the whole generation (a quarter of the width at most, as `refill`
+                # grows): a head that keeps every new token then never grows.
+                planned = min(math.ceil(group.growth * (self.max_new_tokens - 1)), pages * P // 4)
+                group.pages = -(-(sizes[g.stop - 1] + room + planned) // P)
                 self.groups.append(group)
-        for name, parts in blocks.items():
-            self.register_buffer(name, torch.cat(parts), persistent=False)
         self.register_buffer("seen", prompt.seen[:, 0].clone(), persistent=False)
         self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
         self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
@@ -240,10 +229,27 @@ class FastGenCache(nn.Module):
                              persistent=False)
         self.register_buffer("free", self.dest.new_zeros(S, 0), persistent=False)
         self.cursor = 0
+        # The policies that may still evict, and their segments' rows.
+        self.evicting = [(self.policies[i], self.choice == i) for i in chosen
+                         if not self.policies[i].never_evicts]
         self._place()
+        # Kept tokens first, in position order, in each segment's slots: slot
+        # start + n of the segment holds its n-th kept token. One gather per field.
+        n_slots = sum(len(g.seg) * g.pages for g in self.groups) * P
+        token = torch.arange(S * T, device=k.device).view(S, T)
+        source = torch.full((n_slots,), -1, dtype=torch.long, device=k.device)
+        source[(self.start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
+        empty = source < 0
+        sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
+                       flags=prompt.flags)
+        for name, fill in self.fields.items():
+            t = sources[name].reshape(S * T, -1)[source.clamp(min=0)].masked_fill_(empty[:, None], fill)
+            self.register_buffer(name, t.view(-1, P, *sources[name].shape[2:]), persistent=False)
+        self._mark_dynamic()
 
     def _place(self):
-        """Page offsets of the groups and the owner of every page, after a change."""
+        """Page offsets of the groups, the owner of every page and each segment's
+        slots, after a change."""
         first = 0
         for g in self.groups:
             g.first = first
@@ -251,13 +257,18 @@ class FastGenCache(nn.Module):
         owner = torch.cat([g.seg.repeat_interleave(g.pages) for g in self.groups])
         self.register_buffer("owner", owner, persistent=False)
         # Each segment's first slot: its slots run on from there, one group row.
-        start = torch.empty_like(self.dest)
+        start, width = torch.empty_like(self.dest), torch.empty_like(self.dest)
         for g in self.groups:
             start[g.seg] = (g.first + g.pages * torch.arange(len(g.seg), device=start.device)) * \
                 self.page
+            width[g.seg] = g.pages * self.page
         self.register_buffer("start", start, persistent=False)
-        # Compiled code sees the pool's page count as dynamic from the first step:
-        # a growth, in whichever layer, then needs no new graph.
+        self.register_buffer("width", width, persistent=False)
+        self.max_width = max(g.pages for g in self.groups) * self.page
+
+    def _mark_dynamic(self):
+        """Compiled code sees the pool's page count as dynamic from the first step:
+        a growth, in whichever layer, then needs no new graph."""
         for name in (*self.fields, "owner"):
             torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
 
@@ -304,11 +315,30 @@ class FastGenCache(nn.Module):
                      self.seg_first_query[seg, None],
                      g.block(self.last) if "last" in self.fields else None)
 
+    def all_slots(self) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+        """Every segment's slots as one padded row, (S, W) copies of the pool's
+        fields (W: the widest segment's slots), in slot order; with each slot's
+        index in the pool's flat slots and the padding mask."""
+        cols = torch.arange(self.max_width, device=self.start.device)
+        pad = cols >= self.width[:, None]
+        index = (self.start[:, None] + cols).masked_fill_(pad, 0)
+        take = lambda t, empty: t.view(-1)[index].masked_fill_(pad, empty)  # noqa: E731
+        s = Slots(take(self.pos, -1), take(self.score, 0), take(self.flags, 0),
+                  self.seen[:, None], self.seg_prompt_len[:, None], self.seg_first_query[:, None],
+                  take(self.last, 0) if "last" in self.fields else None)
+        return s, index, pad
+
     def evict(self):
-        for g in self.groups:
-            if not g.policy.never_evicts:
-                s = self.slots(g)
-                s.pos.masked_fill_(~g.policy.keep(s), -1)
+        """Free what each segment's policy no longer keeps. The policies rank one
+        padded row per segment, all segments at once: a member that several
+        policies share (a ranking, a window) is computed once for the layer."""
+        if not self.evicting:
+            return
+        s, index, _ = self.all_slots()
+        drop = torch.zeros_like(s.valid)
+        for policy, rows in self.evicting:
+            drop |= rows[:, None] & ~s.keeps(policy)
+        self.pos.view(-1)[index[drop & s.valid]] = -1
 
     def refill(self):
         """Give every segment its next free slots, as many as the steps until the
@@ -355,10 +385,11 @@ class FastGenCache(nn.Module):
             setattr(self, name, torch.cat(ts))
         self.n_growths += len(grow)
         self._place()
+        self._mark_dynamic()
 
     # --- What the cache holds ------------------------------------------------------
 
-    STATE = ("owner", "start", "seen", "seg_prompt_len", "seg_first_query", "dest", "free")
+    STATE = ("owner", "start", "width", "seen", "seg_prompt_len", "seg_first_query", "dest", "free")
 
     def nbytes(self) -> int:
         """Bytes the cache really holds: K, V and every index and score tensor."""

@@ -52,38 +52,47 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     B, H, T, D = q.shape
     K = k.shape[1]
     G = H // K
-    kt = (k.float() / math.sqrt(D)).repeat_interleave(G, dim=1).transpose(-1, -2)  # (B, H, D, T)
+    kt = k.float().transpose(-1, -2)  # (B, K, D, T): the G query heads of a KV head share it
+    qg = q.view(B, K, G, T, D)
     first = lens - (lens if rows is None else lens.clamp(max=rows))  # (B,) first row read
     windows = torch.stack([share(r, lens) for r in ratios]) if ratios else lens[None, :0]  # (R, B)
-    colsum = q.new_zeros(B, H, T, dtype=torch.float32)
-    bands = q.new_zeros(len(ratios), B, H, T, dtype=torch.float32)
-    cols = torch.arange(T, device=q.device)
+    colsum = q.new_zeros(B, K, T, dtype=torch.float32)
+    bands = q.new_zeros(len(ratios), B, K, T, dtype=torch.float32)
+    last = q.new_zeros(B, K, T, dtype=torch.float32)
+    cols, batch = torch.arange(T, device=q.device), torch.arange(B, device=q.device)
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
     for i0 in range(int(first.min()), T, rows_per_chunk):
         r = cols[i0:i0 + rows_per_chunk]
+        c = len(r)
+        scores = (qg[:, :, :, r].float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
+        scores = scores.view(B, K, G, c, T)
         # In place where possible: these (B, H, c, T) tensors are the cost of profiling.
-        scores = q[:, :, r].float() @ kt  # (B, H, c, T)
-        scores.masked_fill_(cols[None, :] > r[:, None], -float("inf"))
+        scores.masked_fill_(cols > r[:, None], -float("inf"))
         attn = scores.softmax(-1)
-        read = (r[None, :] >= first[:, None]) & (r[None, :] < lens[:, None])  # (B, c)
-        attn.mul_(read[:, None, :, None])
-        # Running sums down the rows: since row i attends only to j <= i, the
-        # band of token j (rows j .. j + W - 1) is the running sum at row j + W - 1.
-        attn.cumsum_(2)
-        colsum += attn[:, :, -1]
+        # The last row alone, in whichever chunk holds it: what TOVA ranks the prompt by.
+        row = lens - 1 - i0  # (B,)
+        here = ((row >= 0) & (row < c))[:, None, None]
+        last = torch.where(here, attn[batch, :, :, row.clamp(0, c - 1)].mean(2), last)
+        read = (r >= first[:, None]) & (r < lens[:, None])  # (B, c)
+        attn = attn.mul_(read[:, None, None, :, None]).sum(2)  # (B, K, c, T), summed over G
+        chunk = attn.sum(2)  # (B, K, T)
+        colsum += chunk
         if ratios:
-            end = (cols + windows[..., None] - 1 - i0).clamp(max=len(r) - 1)  # (R, B, T)
-            at = (end.clamp(min=0) * T + cols).transpose(0, 1).reshape(B, 1, -1).expand(B, H, -1)
-            got = attn.view(B, H, -1).gather(2, at).view(B, H, len(ratios), T)
-            bands += got.permute(2, 0, 1, 3) * (end >= 0)[:, :, None, :]  # (R, B, H, T)
-    # The last row again, alone: what TOVA ranks the prompt by.
-    q_last = q[torch.arange(B), :, lens - 1][:, :, None].float()  # (B, H, 1, D)
-    last = (q_last @ kt).masked_fill(cols >= lens[:, None, None, None], -float("inf"))
-    last = last.softmax(-1)[:, :, 0]  # (B, H, T)
-    per_seg = lambda t: t.view(-1, B, K, G, T).mean(3).reshape(-1, B * K, T)  # noqa: E731
-    bands = per_seg(bands)
-    return Profile(per_seg(colsum)[0], dict(zip(ratios, bands)),
-                   (lens - first).repeat_interleave(K).float(), per_seg(last)[0])
+            # Token j's band (rows j .. j + W - 1) takes this chunk's whole column
+            # when it ends at or past the chunk's last row (j >= i0 + c - W), and
+            # nothing when it ends before its first; in between lie c - 1 tokens,
+            # j = i0 - W + 1 + t, whose band takes the chunk's rows up to i0 + t.
+            bands += chunk * (cols >= i0 + c - windows[..., None])[:, :, None]  # (R, B, K, T)
+            strip = i0 - windows[..., None] + 1 + cols[:c - 1]  # (R, B, c - 1)
+            at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, -1).expand(B, K, c, -1)
+            got = attn.gather(3, at).view(B, K, c, len(ratios), c - 1)
+            upto = cols[:c, None] <= cols[:c - 1]  # (c, c - 1): row i counts for token t
+            part = (got * upto[:, None]).sum(2).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
+            part = part * (strip >= 0)[:, :, None]
+            bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
+    return Profile((colsum / G).view(B * K, T),
+                   {r: (b / G).view(B * K, T) for r, b in zip(ratios, bands)},
+                   (lens - first).repeat_interleave(K).float(), last.view(B * K, T))
 
 
 def local_ratios(policies: list[Policy]) -> list[float]:
@@ -106,21 +115,26 @@ def recoveries(policies: list[Policy], prompt: Slots, prof: Profile,
     that puts most of its attention there would otherwise "recover" it while
     dropping everything it reads. (Every shortlist policy keeps that token.)
     """
-    fixed, bands = [], []
-    zero = torch.zeros_like(prof.colsum)
+    ratios = list(prof.bands)
+    fixed, band = [], []  # per policy: what it keeps whatever the row; its widest Local's band
     for p in policies:
         others = [m for m in p.members() if not isinstance(m, Local)]
         fixed.append(prompt.keeps(Union(*others)) if others else torch.zeros_like(prompt.valid))
-        ratios = [m.r for m in p.members() if isinstance(m, Local)]
-        bands.append(prof.bands[max(ratios)] if ratios else zero)
-    # A kept token recovers all it received; another, what its band received.
-    fixed, bands = torch.stack(fixed).float(), torch.stack(bands)  # (M, S, T)
-    got = (prof.colsum - bands) * fixed + bands
-    total = prof.rows
+        local = [m.r for m in p.members() if isinstance(m, Local)]
+        band.append(2 + ratios.index(max(local)) if local else 1)
+    # A kept token recovers all it received, another what its band received:
+    # sum_j F colsum + sum_j (1 - F) band, with F (M, S, T) the fixed masks,
+    # as one product of F with the column sums and every band, (S, M, 2 + R).
+    sums = torch.stack([prof.colsum, torch.zeros_like(prof.colsum), *prof.bands.values()])
+    fixed = torch.stack(fixed).float()
     if not sink:
-        got, total = got[..., 1:], total - prof.colsum[:, 0]
+        sums, fixed = sums[..., 1:], fixed[..., 1:]
+    product = fixed.permute(1, 0, 2) @ sums.permute(1, 2, 0)  # (S, M, 2 + R)
+    band = torch.tensor(band, device=product.device).expand(product.shape[:2])[..., None]
+    got = product[..., 0] + sums.sum(-1).T.gather(1, band[..., 0]) - product.gather(2, band)[..., 0]
+    total = prof.rows if sink else prof.rows - prof.colsum[:, 0]
     # A head that reads nothing but the sink loses nothing, whatever it keeps.
-    return torch.where(total > 1e-4 * prof.rows, got.sum(-1) / total, 1.0).T
+    return torch.where((total > 1e-4 * prof.rows)[:, None], got / total[:, None], 1.0)
 
 
 def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:

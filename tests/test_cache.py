@@ -206,7 +206,7 @@ def test_threshold_one_makes_every_head_full():
 
 def pool_bytes(cache):
     """Every tensor the cache holds, counted from the outside."""
-    named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "seen", "seg_prompt_len",
+    named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width", "seen", "seg_prompt_len",
              "seg_first_query", "dest", "free"}
     buffers = dict(cache.named_buffers())
     if not any(p.reads_last for p in cache.plan()):
