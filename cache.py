@@ -217,9 +217,10 @@ class FastGenCache(nn.Module):
             for g, pages in group_pages(sizes, room, P):
                 group = Group(self.policies[i], seg[g], float(growth[seg[g], i].max()))
                 # Room from the start for what the budget charged the policy for
-                # the whole generation (a quarter of the width at most, as `refill`
-                # grows): a head that keeps every new token then never grows.
-                planned = min(math.ceil(group.growth * (self.max_new_tokens - 1)), pages * P // 4)
+                # the new tokens after the first round (a quarter of the width at
+                # most, as `refill` grows): a head that keeps them all never grows.
+                new = max(self.max_new_tokens - 1 - room, 0)
+                planned = min(math.ceil(group.growth * new), pages * P // 4)
                 group.pages = -(-(sizes[g.stop - 1] + room + planned) // P)
                 self.groups.append(group)
         self.register_buffer("seen", prompt.seen[:, 0].clone(), persistent=False)
