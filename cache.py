@@ -18,12 +18,15 @@ A decode step does the same few operations whatever the policies: write each
 segment's new token into a free slot chosen in advance, attend over every page
 of the layer at once (a softmax per segment across its pages), and add the
 attention each token got to its score. Eviction is the policies' work, and it
-runs between steps (`reserve`), every `evict_every` steps: each group ranks
-its slots, frees what its policy no longer keeps, and every segment is handed
-its next free slots; a group that runs short grows by a page or more. So the
-step has fixed shapes and compiles once (again only after a growth), and the
-sorting that eviction needs is paid once per `evict_every` tokens. With
-`evict_every=1` the cache evicts after every token, as the paper describes.
+runs between steps (`reserve`), every `evict_every` steps: the policies rank
+every segment's slots (one padded row each, all segments of the layer at once,
+so that a member several policies share is computed once), free what they no
+longer keep, and every segment is handed its next free slots; a group that
+runs short grows by a page or more (each group starts with room for what the
+budget planned, so that is rare). So the step compiles once, its pool's size
+dynamic, and the sorting that eviction needs is paid once per `evict_every`
+tokens. With `evict_every=1` the cache evicts after every token, as the paper
+describes.
 """
 from __future__ import annotations
 
@@ -287,7 +290,6 @@ class FastGenCache(nn.Module):
         self.v.view(-1, D).index_copy_(0, slot, v.reshape(S, D))
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, self.token_flags[tokens].expand(B, K).reshape(S))
-        self.score.view(-1).index_fill_(0, slot, 0.0)
         self.seen.copy_(pos + 1)
         y, probs = paged_attention(q.view(S, H // K, D), self.k, self.v, self.pos >= 0, self.owner)
         last = probs.mean(1)  # (N, P), averaged over the G query heads
@@ -339,7 +341,9 @@ class FastGenCache(nn.Module):
         drop = torch.zeros_like(s.valid)
         for policy, rows in self.evicting:
             drop |= rows[:, None] & ~s.keeps(policy)
-        self.pos.view(-1)[index[drop & s.valid]] = -1
+        freed = index[drop & s.valid]
+        self.pos.view(-1)[freed] = -1
+        self.score.view(-1)[freed] = 0  # the token written there next starts from nothing
 
     def refill(self):
         """Give every segment its next free slots, as many as the steps until the
