@@ -173,6 +173,7 @@ class FastGenCache(nn.Module):
             score=prof.colsum, flags=per_seg(self.token_flags[tokens]),
             seen=per_seg(lens[:, None]), prompt_len=per_seg(lens[:, None]),
             first_query=per_seg(lens[:, None]) - prof.rows.long()[:, None], last=prof.last)
+        prompt.keeps_all(self.policies)
         return prompt, recoveries(self.policies, prompt, prof, sink)
 
     def prefill(self, q, k, v, tokens):
@@ -338,6 +339,7 @@ class FastGenCache(nn.Module):
         if not self.evicting:
             return
         s, index, _ = self.all_slots()
+        s.keeps_all([policy for policy, _ in self.evicting])
         drop = torch.zeros_like(s.valid)
         for policy, rows in self.evicting:
             drop |= rows[:, None] & ~s.keeps(policy)

@@ -51,12 +51,29 @@ class Slots:
         """policy.keep(self), computed once per policy."""
         return self.once(policy, lambda: policy.keep(self))
 
+    def keeps_all(self, policies) -> None:
+        """Compute the keep of every member of `policies`, each class's members at
+        once (`Policy.keep_all`), and remember them for `keeps`."""
+        members = [m for m in dict.fromkeys(m for p in policies for m in p.members())
+                   if m not in self.memo]
+        by_class = {}
+        for m in members:
+            by_class.setdefault(type(m), []).append(m)
+        for cls, ms in by_class.items():
+            self.memo.update(zip(ms, cls.keep_all(ms, self)))
+
+    def rank(self, key, values, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, C) ranks of `values()` among the valid slots (or `valid`), as `ranks`;
+        computed once per `key`, which must name the values and the mask."""
+        valid = self.valid if valid is None else valid
+        return self.once(key, lambda: ranks(values(), valid))
+
     def top(self, key, values, k: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Bool (N, C): the k (N, 1) slots with the largest `values()` among the valid
         ones (or `valid`); among equal values the leftmost slot wins. Ranked once per
-        `key`, which must name the values and the mask."""
+        `key` (see `rank`); k may also be (R, N, 1), for R counts at once."""
         valid = self.valid if valid is None else valid
-        return valid & (self.once(key, lambda: ranks(values(), valid)) < k)
+        return valid & (self.rank(key, values, valid) < k)
 
     @property
     def mean_score(self) -> torch.Tensor:
@@ -75,6 +92,12 @@ class Slots:
 
 def share(r: float, n: torch.Tensor) -> torch.Tensor:
     """ceil(r * n), in float64 so that ceil(0.3 * 10) is 3, not 4."""
+    return torch.ceil(n.double() * r - 1e-9).long()
+
+
+def shares(rs, n: torch.Tensor) -> torch.Tensor:
+    """(R, *n.shape): `share` for each of the ratios rs."""
+    r = torch.tensor(rs, dtype=torch.float64, device=n.device).view(-1, *[1] * n.dim())
     return torch.ceil(n.double() * r - 1e-9).long()
 
 
@@ -104,6 +127,13 @@ class Policy:
     def keep(self, s: Slots) -> torch.Tensor:
         """Bool (N, C): which of the held tokens this policy keeps."""
         raise NotImplementedError
+
+    @classmethod
+    def keep_all(cls, policies: list[Policy], s: Slots) -> torch.Tensor:
+        """Bool (len(policies), N, C): the keep of several policies of this class.
+        The classes with a ratio do it in a few operations for every ratio (a
+        menu holds many); the result must equal each policy's `keep`."""
+        return torch.stack([p.keep(s) for p in policies])
 
     def growth(self, prompt: Slots) -> torch.Tensor:
         """(N,) the share of new tokens it will hold on to, as the budget mode
@@ -160,6 +190,10 @@ class Local(Policy):
     def keep(self, s):
         return s.valid & (s.pos >= s.seen - self.window(s))
 
+    @classmethod
+    def keep_all(cls, policies, s):
+        return s.valid & (s.pos >= s.seen - shares([p.r for p in policies], s.prompt_len))
+
 
 class Frequent(Policy):
     """Heavy hitters: the ceil(r * seen) tokens that received the most attention.
@@ -176,10 +210,24 @@ class Frequent(Policy):
         self.r, self.by = r, by
 
     def keep(self, s):
-        if self.by == "sum":
-            return s.top("score", lambda: s.score, share(self.r, s.seen))
-        newest = lambda: s.mean_score.masked_fill(s.pos == s.seen - 1, float("inf"))  # noqa: E731
-        return s.top("mean score", newest, share(self.r, s.seen))
+        return self.keep_all([self], s)[0]
+
+    @classmethod
+    def keep_all(cls, policies, s):
+        kept = torch.empty(len(policies), *s.pos.shape, dtype=torch.bool, device=s.pos.device)
+        for by in ("sum", "mean"):
+            which = [i for i, p in enumerate(policies) if p.by == by]
+            if which:
+                counts = shares([policies[i].r for i in which], s.seen)
+                kept[which] = s.top(*cls.ranking(by, s), counts)
+        return kept
+
+    @staticmethod
+    def ranking(by, s):
+        """The key and values that heavy hitters rank by."""
+        if by == "sum":
+            return "score", lambda: s.score
+        return "mean score", lambda: s.mean_score.masked_fill(s.pos == s.seen - 1, float("inf"))
 
     def growth(self, prompt):
         return prompt.pos.new_full((prompt.pos.shape[0],), self.r, dtype=torch.float32)
@@ -222,6 +270,10 @@ class TOVA(Policy):
     def keep(self, s):
         return s.top("last", lambda: s.last, share(self.r, s.prompt_len))
 
+    @classmethod
+    def keep_all(cls, policies, s):
+        return s.top("last", lambda: s.last, shares([p.r for p in policies], s.prompt_len))
+
 
 class SnapKV(Policy):
     """SnapKV (Li et al., 2024): at the end of the prompt, the last `window` prompt
@@ -236,14 +288,22 @@ class SnapKV(Policy):
         self.r, self.window, self.kernel = r, window, kernel
 
     def keep(self, s):
-        recent = s.pos >= s.prompt_len - self.window
-        pooled = lambda: torch.nn.functional.max_pool1d(  # noqa: E731
-            s.score.masked_fill(~s.valid, 0)[:, None], self.kernel, 1, self.kernel // 2)[:, 0]
-        budget = (share(self.r, s.prompt_len) - self.window).clamp(min=0)
-        # While decoding the older prompt tokens held number exactly `budget`,
-        # so this keeps them all: the prompt is compressed once.
-        older = s.top(("snapkv", self.window, self.kernel), pooled, budget, s.valid & ~recent)
-        return (s.valid & recent) | older
+        return self.keep_all([self], s)[0]
+
+    @classmethod
+    def keep_all(cls, policies, s):
+        kept = torch.empty(len(policies), *s.pos.shape, dtype=torch.bool, device=s.pos.device)
+        for window, kernel in dict.fromkeys((p.window, p.kernel) for p in policies):
+            which = [i for i, p in enumerate(policies) if (p.window, p.kernel) == (window, kernel)]
+            recent = s.pos >= s.prompt_len - window
+            pooled = lambda: torch.nn.functional.max_pool1d(  # noqa: E731
+                s.score.masked_fill(~s.valid, 0)[:, None], kernel, 1, kernel // 2)[:, 0]
+            budget = (shares([policies[i].r for i in which], s.prompt_len) - window).clamp(min=0)
+            # While decoding the older prompt tokens held number exactly `budget`,
+            # so this keeps them all: the prompt is compressed once.
+            older = s.top(("snapkv", window, kernel), pooled, budget, s.valid & ~recent)
+            kept[which] = (s.valid & recent) | older
+        return kept
 
     def growth(self, prompt):
         return prompt.pos.new_ones(prompt.pos.shape[0], dtype=torch.float32)
