@@ -49,7 +49,10 @@ from profiling import attention_sums, choose, fit_budget, local_ratios, recoveri
 # Slots per page: a segment wastes at most a page minus one slot to rounding, and
 # a page is one small matrix product per step, so pages grow with the prompt.
 MIN_PAGE, MAX_PAGE = 4, 128
-EVICT_EVERY = 8  # tokens between evictions; each segment holds at most this many extra
+# Tokens between evictions (each segment holds at most this many extra): half a
+# page, at least EVICT_EVERY, so that a long prompt's costlier ranking is paid
+# as often per token as a short one's, for the same slack relative to its size.
+EVICT_EVERY = 8
 # Segments share a group while the largest holds at most this much more than
 # the smallest (plus a page): the rest of a group's width is padding.
 SPREAD = 1.05
@@ -130,15 +133,16 @@ class FastGenCache(nn.Module):
     items will hold at most `budget` of what a full cache holds). Profiling
     reads the last `rows` prompt rows (None: all of them) and, unless `sink`,
     leaves the first token's attention out of the recovery. Eviction runs every
-    `evict_every` decode steps; pages hold `page` slots (None: by prompt length).
+    `evict_every` decode steps (None: half a page, at least EVICT_EVERY); pages
+    hold `page` slots (None: by prompt length).
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
-                 rows: int | None = None, sink: bool = True, evict_every: int = EVICT_EVERY,
+                 rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None):
         super().__init__()
-        if evict_every < 1 or (page is not None and page < 1):
+        if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
         self.policies = list(policies)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
@@ -206,6 +210,8 @@ class FastGenCache(nn.Module):
         if self.page is None:
             self.page = page_size(int(self.prompt_lens.max()))
         P = self.page
+        if self.evict_every is None:
+            self.evict_every = max(EVICT_EVERY, P // 2)
         room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
         chosen = self.choice.unique().tolist()
         # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.

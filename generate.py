@@ -144,19 +144,20 @@ def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tok
     profiling over every prompt row, the sink's mass counted); otherwise
     `hh_score`, `obs_window` (0: every row) and `sink_mass` choose. The fixed
     policies keep `kv_budget` (default 0.5) of the prompt. Compressed caches
-    evict every `evict_every` steps (default cache.EVICT_EVERY; 1 with `paper`).
+    evict every `evict_every` steps (default: half a page of the pool, at least
+    cache.EVICT_EVERY = 8 tokens; 1 with `paper`).
     """
     a, w = model.args, model.tok_embeddings.weight
     if kv == "full":
         max_len = max(prompt_lens) + max_new_tokens
         return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
                 for _ in model.layers]
-    from cache import EVICT_EVERY, fastgen_caches
+    from cache import fastgen_caches
     from policies import SnapKV, baseline, menu, shortlist
     if paper:
         hh_score, obs_window, sink_mass = "sum", 0, "count"
         evict_every = evict_every or 1
-    evict = dict(evict_every=evict_every or EVICT_EVERY)
+    evict = dict(evict_every=evict_every)
     options = dict(rows=obs_window or None, sink=sink_mass == "count", **evict)
     if kv == "fastgen" and (paper or recovery is not None):
         policies = shortlist(r_local, r_frequent, hh_score)
@@ -562,7 +563,8 @@ def parse_args(argv=None):
     p.add_argument("--evict-every", type=int, help="compressed caches: let go of what the "
                    "policies no longer keep every N decode steps (1: after every token, as the "
                    "paper; more: each head holds up to N-1 extra tokens meanwhile and the "
-                   "sorting is paid once per N tokens) (default 8, or 1 with --paper)")
+                   "sorting is paid once per N tokens) (default: half a page of the cache's pool, about "
+                   "prompt length / 128, at least 8; 1 with --paper)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")

@@ -330,6 +330,7 @@ class CheckedCache(nn.Module):
         y = self.cache(q, k, v, input_pos, tokens)
         state = State(self.cache)
         if prefill:
+            self.ref.evict_every = self.cache.evict_every  # the default is set at prefill
             state.prompt_kept = kept
             expected = self.ref.prefill(q, k, v, tokens, state)
             torch.testing.assert_close(self.cache.recovery.double(), self.ref.recovery,

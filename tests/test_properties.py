@@ -38,7 +38,7 @@ def policy_lists(draw):
             TOVA(r_frequent), SnapKV(round(r_local + 0.2, 2), window=sink, kernel=3), Local(r_frequent),
             *shortlist(r_local, r_frequent, by)[1:4]]
     options = dict(rows=draw(st.sampled_from([None, 1, 3, 8])), sink=draw(st.booleans()),
-                   evict_every=draw(st.sampled_from([1, 2, 5, 8])), page=draw(st.sampled_from([1, 3, 16])))
+                   evict_every=draw(st.sampled_from([1, 2, 5, 8, None])), page=draw(st.sampled_from([1, 3, 16])))
     kind = draw(st.sampled_from(["shortlist", "fixed", "mix"]))
     if kind == "shortlist":
         policies = shortlist(r_local, r_frequent, by)
