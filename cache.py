@@ -219,6 +219,10 @@ class FastGenCache(nn.Module):
                        if n != "last" or any(self.policies[i].reads_last for i in chosen)}
         keep = torch.stack(keeps)[self.choice, torch.arange(S, device=k.device)]  # (S, T)
         kept = keep.sum(1)
+        # Room from the start for what the budget charged each policy for the new
+        # tokens after the first round (a quarter of the width at most, as `refill`
+        # grows): a group of heads that keep them all never grows.
+        new = max(self.max_new_tokens - 1 - room, 0)
         self.groups = []
         for i in chosen:
             seg = (self.choice == i).nonzero()[:, 0]
@@ -226,10 +230,6 @@ class FastGenCache(nn.Module):
             sizes = kept[seg].tolist()
             for g, pages in group_pages(sizes, room, P):
                 group = Group(self.policies[i], seg[g], float(growth[seg[g], i].max()))
-                # Room from the start for what the budget charged the policy for
-                # the new tokens after the first round (a quarter of the width at
-                # most, as `refill` grows): a head that keeps them all never grows.
-                new = max(self.max_new_tokens - 1 - room, 0)
                 planned = min(math.ceil(group.growth * new), pages * P // 4)
                 group.pages = -(-(sizes[g.stop - 1] + room + planned) // P)
                 self.groups.append(group)
@@ -254,7 +254,8 @@ class FastGenCache(nn.Module):
         sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
                        flags=prompt.flags)
         for name, fill in self.fields.items():
-            t = sources[name].reshape(S * T, -1)[source.clamp(min=0)].masked_fill_(empty[:, None], fill)
+            t = sources[name].reshape(S * T, -1)[source.clamp(min=0)]
+            t.masked_fill_(empty[:, None], fill)
             self.register_buffer(name, t.view(-1, P, *sources[name].shape[2:]), persistent=False)
         self._mark_dynamic()
 
@@ -325,10 +326,10 @@ class FastGenCache(nn.Module):
                      self.seg_first_query[seg, None],
                      g.block(self.last) if "last" in self.fields else None)
 
-    def all_slots(self) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+    def all_slots(self) -> tuple[Slots, torch.Tensor]:
         """Every segment's slots as one padded row, (S, W) copies of the pool's
-        fields (W: the widest segment's slots), in slot order; with each slot's
-        index in the pool's flat slots and the padding mask."""
+        fields (W: the widest segment's slots; padding is empty), in slot order;
+        with each slot's index in the pool's flat slots."""
         cols = torch.arange(self.max_width, device=self.start.device)
         pad = cols >= self.width[:, None]
         index = (self.start[:, None] + cols).masked_fill_(pad, 0)
@@ -336,7 +337,7 @@ class FastGenCache(nn.Module):
         s = Slots(take(self.pos, -1), take(self.score, 0), take(self.flags, 0),
                   self.seen[:, None], self.seg_prompt_len[:, None], self.seg_first_query[:, None],
                   take(self.last, 0) if "last" in self.fields else None)
-        return s, index, pad
+        return s, index
 
     def evict(self):
         """Free what each segment's policy no longer keeps. The policies rank one
@@ -344,7 +345,7 @@ class FastGenCache(nn.Module):
         policies share (a ranking, a window) is computed once for the layer."""
         if not self.evicting:
             return
-        s, index, _ = self.all_slots()
+        s, index = self.all_slots()
         s.keeps_all([policy for policy, _ in self.evicting])
         drop = torch.zeros_like(s.valid)
         for policy, rows in self.evicting:

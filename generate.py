@@ -563,8 +563,8 @@ def parse_args(argv=None):
     p.add_argument("--evict-every", type=int, help="compressed caches: let go of what the "
                    "policies no longer keep every N decode steps (1: after every token, as the "
                    "paper; more: each head holds up to N-1 extra tokens meanwhile and the "
-                   "sorting is paid once per N tokens) (default: half a page of the cache's pool, about "
-                   "prompt length / 128, at least 8; 1 with --paper)")
+                   "sorting is paid once per N tokens) (default: half a page of the cache's "
+                   "pool, about prompt length / 128, at least 8; 1 with --paper)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")
