@@ -130,8 +130,7 @@ def recoveries(policies: list[Policy], prompt: Slots, prof: Profile,
     if not sink:
         sums, fixed = sums[..., 1:], fixed[..., 1:]
     product = fixed.permute(1, 0, 2) @ sums.permute(1, 2, 0)  # (S, M, 2 + R)
-    band = torch.tensor(band, device=product.device).expand(product.shape[:2])[..., None]
-    got = product[..., 0] + sums.sum(-1).T.gather(1, band[..., 0]) - product.gather(2, band)[..., 0]
+    got = product[..., 0] + sums.sum(-1).T[:, band] - product[:, range(len(policies)), band]
     total = prof.rows if sink else prof.rows - prof.colsum[:, 0]
     # A head that reads nothing but the sink loses nothing, whatever it keeps.
     return torch.where((total > 1e-4 * prof.rows)[:, None], got / total[:, None], 1.0)

@@ -206,8 +206,8 @@ def test_threshold_one_makes_every_head_full():
 
 def pool_bytes(cache):
     """Every tensor the cache holds, counted from the outside."""
-    named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width", "seen", "seg_prompt_len",
-             "seg_first_query", "dest", "free"}
+    named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width", "seen",
+             "seg_prompt_len", "seg_first_query", "dest", "free"}
     buffers = dict(cache.named_buffers())
     if not any(p.reads_last for p in cache.plan()):
         named.remove("last")  # kept only for a policy that reads it (TOVA)
