@@ -181,7 +181,6 @@ class FastGenCache(nn.Module):
         return prompt, recoveries(self.policies, prompt, prof, sink)
 
     def prefill(self, q, k, v, tokens):
-        y = causal_attention(q, k, v)
         t0 = _clock(q.device)
         B, K, T, D = k.shape
         prompt, self.recovery = self.profile(q, k, tokens, self.rows, self.sink)
@@ -198,15 +197,16 @@ class FastGenCache(nn.Module):
             self.choice = fit_budget(self.recovery, costs, allowed)
         else:
             self.choice = choose(self.recovery, self.threshold)
-        self.compress(prompt, keeps, growth, k.reshape(B * K, T, D), v.reshape(B * K, T, D))
+        self.compress(prompt, keeps, growth, k, v)
         self.profile_s = _clock(q.device) - t0
-        return y
+        return causal_attention(q, k, v)
 
     def compress(self, prompt: Slots, keeps, growth, k, v):
         """Build the pool from what each segment's policy keeps of its prompt.
-        growth: (S, M) each policy's `growth`; k, v: (S, T, D) the uncompressed
-        prompt keys and values."""
-        S, T, D = k.shape
+        growth: (S, M) each policy's `growth`; k, v: (B, K, T, D) the prompt's
+        keys and values."""
+        B, K, T, D = k.shape
+        S = B * K
         if self.page is None:
             self.page = page_size(int(self.prompt_lens.max()))
         P = self.page
@@ -251,12 +251,17 @@ class FastGenCache(nn.Module):
         source = torch.full((n_slots,), -1, dtype=torch.long, device=k.device)
         source[(self.start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
         empty = source < 0
-        sources = dict(k=k, v=v, pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
+        source.clamp_(min=0)
+        seg, col = source.div(T, rounding_mode="floor"), source % T  # prompt k, v: (B, K, T, D)
+        sources = dict(k=k[seg // K, seg % K, col], v=v[seg // K, seg % K, col],  # (n_slots, D)
+                       pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
                        flags=prompt.flags)
         for name, fill in self.fields.items():
-            t = sources[name].reshape(S * T, -1)[source.clamp(min=0)]
-            t.masked_fill_(empty[:, None], fill)
-            self.register_buffer(name, t.view(-1, P, *sources[name].shape[2:]), persistent=False)
+            if name in ("k", "v"):
+                t = sources[name].masked_fill_(empty[:, None], fill)
+            else:
+                t = sources[name].view(S * T)[source].masked_fill_(empty, fill)
+            self.register_buffer(name, t.view(-1, P, *t.shape[1:]), persistent=False)
         self._mark_dynamic()
 
     def _place(self):

@@ -149,8 +149,8 @@ class Policy:
     def __eq__(self, other):
         return type(self) is type(other) and vars(self) == vars(other)
 
-    def __hash__(self):
-        return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+    def __hash__(self):  # memo keys: hashed hundreds of times a layer
+        return hash((type(self), *vars(self).values()))
 
     def __repr__(self):
         args = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in vars(self).values())

@@ -61,22 +61,27 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     last = q.new_zeros(B, K, T, dtype=torch.float32)
     cols, batch = torch.arange(T, device=q.device), torch.arange(B, device=q.device)
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
+    if ratios:  # a chunk's band strip reads c * R * c of its c * T scores per head
+        rows_per_chunk = min(rows_per_chunk, max(1, T // (2 * len(ratios))))
     for i0 in range(int(first.min()), T, rows_per_chunk):
         r = cols[i0:i0 + rows_per_chunk]
         c = len(r)
         scores = (qg[:, :, :, r].float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
-        scores = scores.view(B, K, G, c, T)
-        # In place where possible: these (B, H, c, T) tensors are the cost of profiling.
-        scores.masked_fill_(cols > r[:, None], -float("inf"))
-        attn = scores.softmax(-1)
-        # The last row alone, in whichever chunk holds it: what TOVA ranks the prompt by.
-        row = lens - 1 - i0  # (B,)
-        here = ((row >= 0) & (row < c))[:, None, None]
-        last = torch.where(here, attn[batch, :, :, row.clamp(0, c - 1)].mean(2), last)
+        # These (B, K, G, c, T) scores are the cost of profiling: every pass over
+        # them is in place, and the chunk's rows are summed by one product.
+        e = scores.view(B, K, G, c, T)
+        e[..., i0 + 1:].masked_fill_(cols[i0 + 1:] > r[:, None], -float("inf"))  # causal
+        e = e.sub_(e.amax(-1, keepdim=True)).exp_()
+        # A row's weight: one over its softmax sum where read, zero where not.
         read = (r >= first[:, None]) & (r < lens[:, None])  # (B, c)
-        attn = attn.mul_(read[:, None, None, :, None]).sum(2)  # (B, K, c, T), summed over G
-        chunk = attn.sum(2)  # (B, K, T)
+        w = read[:, None, None] / e.sum(-1)  # (B, K, G, c)
+        chunk = (w.view(B, K, 1, G * c) @ e.view(B, K, G * c, T)).view(B, K, T)
         colsum += chunk
+        # The last row alone, in whichever chunk holds it: what TOVA ranks the prompt by.
+        row = (lens - 1 - i0).clamp(0, c - 1)  # (B,)
+        here = (lens - 1 - i0 >= 0) & (lens - 1 - i0 < c)
+        at_last = e[batch, :, :, row] * w[batch, :, :, row, None]  # (B, K, G, T)
+        last = torch.where(here[:, None, None], at_last.mean(2), last)
         if ratios:
             # Token j's band (rows j .. j + W - 1) takes this chunk's whole column
             # when it ends at or past the chunk's last row (j >= i0 + c - W), and
@@ -84,10 +89,11 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
             # j = i0 - W + 1 + t, whose band takes the chunk's rows up to i0 + t.
             bands += chunk * (cols >= i0 + c - windows[..., None])[:, :, None]  # (R, B, K, T)
             strip = i0 - windows[..., None] + 1 + cols[:c - 1]  # (R, B, c - 1)
-            at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, -1).expand(B, K, c, -1)
-            got = attn.gather(3, at).view(B, K, c, len(ratios), c - 1)
+            at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, 1, -1)
+            got = e.gather(4, at.expand(B, K, G, c, -1)).view(B, K, G, c, len(ratios), c - 1)
             upto = cols[:c, None] <= cols[:c - 1]  # (c, c - 1): row i counts for token t
-            part = (got * upto[:, None]).sum(2).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
+            weight = w[..., None, None] * upto[:, None]  # (B, K, G, c, 1, c - 1)
+            part = (got * weight).sum((2, 3)).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
             part = part * (strip >= 0)[:, :, None]
             bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
     return Profile((colsum / G).view(B * K, T),
@@ -162,13 +168,17 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
     device, unit = costs.device, -(-budget // resolution)
     costs, budget = -(-costs.cpu() // unit), budget // unit
     values = values.cpu().double()
-    j = torch.arange(budget + 1)
-    best = torch.zeros(budget + 1, dtype=torch.float64)  # best[j]: the best value costing <= j
+    # best[j]: the best value costing at most j, after `pad` entries of -inf for
+    # j < 0; the row of `shifted` that starts at pad - c is best[j - c] for every j.
+    pad = int(costs.max())
+    best = torch.cat([torch.full((pad,), -math.inf, dtype=torch.float64),
+                      torch.zeros(budget + 1, dtype=torch.float64)])
+    shifted = best.unfold(0, budget + 1, 1)  # (pad + 1, budget + 1), a view
     picks = []
     for s in range(S):
-        rest = j - costs[s][:, None]  # (M, budget + 1): what is left for the segments before
-        options = best[rest.clamp(min=0)].masked_fill(rest < 0, -math.inf) + values[s][:, None]
-        best, pick = options.max(0)
+        options = shifted[pad - costs[s]] + values[s][:, None]  # (M, budget + 1)
+        top, pick = options.max(0)
+        best[pad:] = top
         picks.append(pick)
     choice, left = [], budget
     for s in reversed(range(S)):
