@@ -184,7 +184,7 @@ class FastGenCache(nn.Module):
         t0 = _clock(q.device)
         B, K, T, D = k.shape
         prompt, self.recovery = self.profile(q, k, tokens, self.rows, self.sink)
-        keeps = [prompt.keeps(p) for p in self.policies]  # (S, T) each
+        keeps = torch.stack([prompt.keeps(p) for p in self.policies])  # (M, S, T)
         growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)  # (S, M)
         if len(self.policies) == 1:
             self.choice = torch.zeros(B * K, dtype=torch.long, device=k.device)
@@ -192,7 +192,7 @@ class FastGenCache(nn.Module):
             # A head's cost: the prompt tokens it keeps and what it will keep of
             # the new ones; the budget: a share of what a full cache would hold.
             new = self.max_new_tokens - 1
-            costs = torch.stack(keeps, dim=1).sum(2) + torch.ceil(growth * new).long()  # (S, M)
+            costs = keeps.sum(2).T + torch.ceil(growth * new).long()  # (S, M)
             allowed = int(self.budget * (prompt.prompt_len + new).sum())
             self.choice = fit_budget(self.recovery, costs, allowed)
         else:
@@ -203,8 +203,8 @@ class FastGenCache(nn.Module):
 
     def compress(self, prompt: Slots, keeps, growth, k, v):
         """Build the pool from what each segment's policy keeps of its prompt.
-        growth: (S, M) each policy's `growth`; k, v: (B, K, T, D) the prompt's
-        keys and values."""
+        keeps: (M, S, T) each policy's keep; growth: (S, M) its `growth`; k, v:
+        (B, K, T, D) the prompt's keys and values."""
         B, K, T, D = k.shape
         S = B * K
         if self.page is None:
@@ -217,7 +217,7 @@ class FastGenCache(nn.Module):
         # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
         self.fields = {n: e for n, e in SLOT_FIELDS.items()
                        if n != "last" or any(self.policies[i].reads_last for i in chosen)}
-        keep = torch.stack(keeps)[self.choice, torch.arange(S, device=k.device)]  # (S, T)
+        keep = keeps[self.choice, torch.arange(S, device=k.device)]  # (S, T)
         kept = keep.sum(1)
         # Room from the start for what the budget charged each policy for the new
         # tokens after the first round (a quarter of the width at most, as `refill`
@@ -252,15 +252,18 @@ class FastGenCache(nn.Module):
         source[(self.start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
         empty = source < 0
         source.clamp_(min=0)
-        seg, col = source.div(T, rounding_mode="floor"), source % T  # prompt k, v: (B, K, T, D)
-        sources = dict(k=k[seg // K, seg % K, col], v=v[seg // K, seg % K, col],  # (n_slots, D)
+        # k and v are read as the model lays them out, (B, T, K, D), without a copy.
+        row = torch.arange(B * T * K, device=k.device).view(B, T, K).transpose(1, 2)
+        row = row.reshape(S * T).index_select(0, source)
+        rows = lambda x: x.transpose(1, 2).reshape(B * T * K, D).index_select(0, row)  # noqa: E731
+        sources = dict(k=rows(k), v=rows(v),  # (n_slots, D)
                        pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
                        flags=prompt.flags)
         for name, fill in self.fields.items():
             if name in ("k", "v"):
                 t = sources[name].masked_fill_(empty[:, None], fill)
             else:
-                t = sources[name].view(S * T)[source].masked_fill_(empty, fill)
+                t = sources[name].view(S * T).index_select(0, source).masked_fill_(empty, fill)
             self.register_buffer(name, t.view(-1, P, *t.shape[1:]), persistent=False)
         self._mark_dynamic()
 

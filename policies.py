@@ -314,6 +314,7 @@ class Union(Policy):
 
     def __init__(self, *members: Policy):
         self._members = tuple(dict.fromkeys(members))  # drop repeats, keep order
+        self._hash = hash(self._members)
 
     def members(self):
         return self._members
@@ -340,7 +341,7 @@ class Union(Policy):
         return isinstance(other, Union) and self._members == other._members
 
     def __hash__(self):
-        return hash(self._members)
+        return self._hash
 
     def __repr__(self):
         return " | ".join(map(repr, self._members))

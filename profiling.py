@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policies import Local, Policy, Slots, Union, share
+from policies import Local, Policy, Slots, Union, shares
 
 # Bytes of attention probabilities materialised at once while profiling.
 CHUNK_BYTES = 64 << 20
@@ -55,7 +55,7 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     kt = k.float().transpose(-1, -2)  # (B, K, D, T): the G query heads of a KV head share it
     qg = q.view(B, K, G, T, D)
     first = lens - (lens if rows is None else lens.clamp(max=rows))  # (B,) first row read
-    windows = torch.stack([share(r, lens) for r in ratios]) if ratios else lens[None, :0]  # (R, B)
+    windows = shares(ratios, lens)  # (R, B)
     colsum = q.new_zeros(B, K, T, dtype=torch.float32)
     bands = q.new_zeros(len(ratios), B, K, T, dtype=torch.float32)
     last = q.new_zeros(B, K, T, dtype=torch.float32)
@@ -96,8 +96,8 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
             part = (got * weight).sum((2, 3)).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
             part = part * (strip >= 0)[:, :, None]
             bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
-    return Profile((colsum / G).view(B * K, T),
-                   {r: (b / G).view(B * K, T) for r, b in zip(ratios, bands)},
+    bands = (bands / G).view(len(ratios), B * K, T)
+    return Profile((colsum / G).view(B * K, T), dict(zip(ratios, bands)),
                    (lens - first).repeat_interleave(K).float(), last.view(B * K, T))
 
 
@@ -131,12 +131,12 @@ def recoveries(policies: list[Policy], prompt: Slots, prof: Profile,
     # A kept token recovers all it received, another what its band received:
     # sum_j F colsum + sum_j (1 - F) band, with F (M, S, T) the fixed masks,
     # as one product of F with the column sums and every band, (S, M, 2 + R).
-    sums = torch.stack([prof.colsum, torch.zeros_like(prof.colsum), *prof.bands.values()])
-    fixed = torch.stack(fixed).float()
+    sums = torch.stack([prof.colsum, torch.zeros_like(prof.colsum), *prof.bands.values()], 2)
+    fixed = torch.stack(fixed, 1).float()  # (S, M, T)
     if not sink:
-        sums, fixed = sums[..., 1:], fixed[..., 1:]
-    product = fixed.permute(1, 0, 2) @ sums.permute(1, 2, 0)  # (S, M, 2 + R)
-    got = product[..., 0] + sums.sum(-1).T[:, band] - product[:, range(len(policies)), band]
+        sums, fixed = sums[:, 1:], fixed[..., 1:]
+    product = fixed @ sums  # (S, M, 2 + R)
+    got = product[..., 0] + sums.sum(1)[:, band] - product[:, range(len(policies)), band]
     total = prof.rows if sink else prof.rows - prof.colsum[:, 0]
     # A head that reads nothing but the sink loses nothing, whatever it keeps.
     return torch.where((total > 1e-4 * prof.rows)[:, None], got / total[:, None], 1.0)
