@@ -59,8 +59,21 @@ class Slots:
         by_class = {}
         for m in members:
             by_class.setdefault(type(m), []).append(m)
+        wanted = {}
+        for cls, ms in by_class.items():
+            wanted.update(cls.rankings(ms, self))
+        self.rank_all(wanted)
         for cls, ms in by_class.items():
             self.memo.update(zip(ms, cls.keep_all(ms, self)))
+
+    def rank_all(self, wanted: dict) -> None:
+        """Rank several values at once, `wanted` = {key: (values, valid)} as `rank`
+        takes them: one sort for all (a sort of a few rows is mostly overhead)."""
+        wanted = {key: w for key, w in wanted.items() if key not in self.memo}
+        if wanted:
+            values = torch.stack([values().float() for values, _ in wanted.values()])
+            valid = torch.stack([valid for _, valid in wanted.values()])
+            self.memo.update(zip(wanted, ranks(values, valid)))
 
     def rank(self, key, values, valid: torch.Tensor | None = None) -> torch.Tensor:
         """(N, C) ranks of `values()` among the valid slots (or `valid`), as `ranks`;
@@ -127,6 +140,12 @@ class Policy:
     def keep(self, s: Slots) -> torch.Tensor:
         """Bool (N, C): which of the held tokens this policy keeps."""
         raise NotImplementedError
+
+    @classmethod
+    def rankings(cls, policies: list[Policy], s: Slots) -> dict:
+        """{key: (values, valid)}: what `keep_all` of these policies will rank
+        (`Slots.rank`), so that every class's rankings are sorted together."""
+        return {}
 
     @classmethod
     def keep_all(cls, policies: list[Policy], s: Slots) -> torch.Tensor:
@@ -222,6 +241,11 @@ class Frequent(Policy):
                 kept[which] = s.top(*cls.ranking(by, s), counts)
         return kept
 
+    @classmethod
+    def rankings(cls, policies, s):
+        return {key: (values, s.valid) for key, values in
+                (cls.ranking(by, s) for by in dict.fromkeys(p.by for p in policies))}
+
     @staticmethod
     def ranking(by, s):
         """The key and values that heavy hitters rank by."""
@@ -271,6 +295,10 @@ class TOVA(Policy):
         return s.top("last", lambda: s.last, share(self.r, s.prompt_len))
 
     @classmethod
+    def rankings(cls, policies, s):
+        return {"last": (lambda: s.last, s.valid)}
+
+    @classmethod
     def keep_all(cls, policies, s):
         return s.top("last", lambda: s.last, shares([p.r for p in policies], s.prompt_len))
 
@@ -291,18 +319,28 @@ class SnapKV(Policy):
         return self.keep_all([self], s)[0]
 
     @classmethod
+    def rankings(cls, policies, s):
+        return {("snapkv", w, k): cls.ranking(w, k, s)
+                for w, k in dict.fromkeys((p.window, p.kernel) for p in policies)}
+
+    @staticmethod
+    def ranking(window, kernel, s):
+        """The pooled scores of the prompt tokens before the window, and those tokens."""
+        pooled = lambda: torch.nn.functional.max_pool1d(  # noqa: E731
+            s.score.masked_fill(~s.valid, 0)[:, None], kernel, 1, kernel // 2)[:, 0]
+        return pooled, s.valid & (s.pos < s.prompt_len - window)
+
+    @classmethod
     def keep_all(cls, policies, s):
         kept = torch.empty(len(policies), *s.pos.shape, dtype=torch.bool, device=s.pos.device)
         for window, kernel in dict.fromkeys((p.window, p.kernel) for p in policies):
             which = [i for i, p in enumerate(policies) if (p.window, p.kernel) == (window, kernel)]
-            recent = s.pos >= s.prompt_len - window
-            pooled = lambda: torch.nn.functional.max_pool1d(  # noqa: E731
-                s.score.masked_fill(~s.valid, 0)[:, None], kernel, 1, kernel // 2)[:, 0]
+            pooled, older = cls.ranking(window, kernel, s)
             budget = (shares([policies[i].r for i in which], s.prompt_len) - window).clamp(min=0)
             # While decoding the older prompt tokens held number exactly `budget`,
             # so this keeps them all: the prompt is compressed once.
-            older = s.top(("snapkv", window, kernel), pooled, budget, s.valid & ~recent)
-            kept[which] = (s.valid & recent) | older
+            kept[which] = (s.valid & ~older) | s.top(("snapkv", window, kernel), pooled, budget,
+                                                     older)
         return kept
 
     def growth(self, prompt):
