@@ -3,6 +3,7 @@ output, bit-exactness of Full(), reported bytes, and the compiled decode step.""
 import pytest
 import torch
 
+import cache
 from cache import fastgen_caches
 from generate import decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer
@@ -94,10 +95,35 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["paged", "masked"])
+def decode_attention(request, monkeypatch):
+    """Decode with one of the cache's two attentions, whatever the batch."""
+    other = {"paged": "masked_attention", "masked": "paged_attention"}[request.param]
+    monkeypatch.setattr(cache, other, getattr(cache, f"{request.param}_attention"))
+    return request.param
+
+
+def test_masked_attention_equals_paged():
+    g = torch.Generator().manual_seed(0)
+    S, G, D, N, P = 3, 2, 8, 7, 4
+    q, k, v = (torch.randn(*shape, generator=g) for shape in [(S, G, D), (N, P, D), (N, P, D)])
+    owner = torch.tensor([0, 0, 1, 2, 2, 2, 1])
+    held = torch.rand(N, P, generator=g) < 0.6
+    held[:, 0] = True  # every segment holds something
+    held[4] = False  # a page with nothing in it
+    y, last = cache.masked_attention(q, k, v, held, owner)
+    y_ref, last_ref = cache.paged_attention(q, k, v, held, owner)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(last, last_ref)
+    assert (last[~held] == 0).all()
+    torch.testing.assert_close(last.new_zeros(S).index_add_(0, owner, last.sum(1)),
+                               torch.ones(S))  # each segment's attention sums to one
+
+
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("lens, n_heads, n_kv_heads", [([12, 20], 6, 2), ([17], 4, 4),
                                                        ([20, 13, 15], 4, 1)])
-def test_cache_equals_masked_dense_reference(name, lens, n_heads, n_kv_heads):
+def test_cache_equals_masked_dense_reference(name, lens, n_heads, n_kv_heads, decode_attention):
     policies, threshold = CASES[name]
     seed = len(lens) * 100 + n_heads * 10 + n_kv_heads
     g = torch.Generator().manual_seed(seed)
@@ -288,7 +314,7 @@ def first_token(model, prompts):
 
 
 @pytest.mark.parametrize("kv", ["full", "fastgen"])
-def test_decode_compiles_once_without_graph_breaks(kv):
+def test_decode_compiles_once_without_graph_breaks(kv, decode_attention):
     import torch._dynamo
     model = tiny_model()
     lens, max_new = [9, 14], 6
