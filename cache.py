@@ -96,19 +96,19 @@ def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int
     return [(r, max(1, -(-(sizes[r.stop - 1] + room) // page))) for r in runs if sizes[r]]
 
 
-def paged_attention(q, k, v, held, owner):
+def paged_attention(q, k, v, empty, owner):
     """One query per segment over its pages.
 
-    q: (S, G, D); k, v: (N, P, D) pages; held: (N, P) bool; owner: (N,) the
-    segment of each page. Returns the output (S, G, D) and the attention each
+    q: (S, G, D); k, v: (N, P, D) pages; empty: (N, P) bool, the slots that hold
+    nothing; owner: (N,) the segment of each page. Returns the output (S, G, D) and the attention each
     slot got, (N, P) in float32, averaged over the G query heads. The softmax of
     a segment spans its pages: each page's maximum and sum are combined per
     segment.
     """
     S, G, D = q.shape
-    N, P = held.shape
+    N, P = empty.shape
     scores = ((q.index_select(0, owner) @ k.transpose(1, 2)) / math.sqrt(D)).float()  # (N, G, P)
-    scores = scores.masked_fill(~held[:, None], -math.inf)
+    scores = scores.masked_fill(empty[:, None], -math.inf)
     per_page = owner[:, None].expand(N, G)
     top = scores.new_full((S, G), -math.inf).scatter_reduce(0, per_page, scores.amax(-1), "amax")
     e = (scores - top.index_select(0, owner)[..., None]).exp()
@@ -118,16 +118,16 @@ def paged_attention(q, k, v, held, owner):
     return y.to(v.dtype), probs.mean(1)
 
 
-def masked_attention(q, k, v, held, owner):
+def masked_attention(q, k, v, empty, owner):
     """`paged_attention`, computed as one attention of every query over every
     slot of the layer, masked to its own segment's: S times the arithmetic on
     scores, in two matrix products instead of a softmax pieced together page by
     page. The faster of the two when there are few segments (batch 1)."""
     S, G, D = q.shape
-    N, P = held.shape
-    mine = (owner == torch.arange(S, device=owner.device)[:, None])[:, :, None] & held  # (S, N, P)
+    N, P = empty.shape
+    hidden = (owner != torch.arange(S, device=owner.device)[:, None])[:, :, None] | empty  # (S, N, P)
     scores = (q.reshape(S * G, D) / math.sqrt(D)) @ k.view(N * P, D).T
-    scores = scores.float().view(S, G, N * P).masked_fill_(~mine.view(S, 1, N * P), -math.inf)
+    scores = scores.float().view(S, G, N * P).masked_fill_(hidden.view(S, 1, N * P), -math.inf)
     probs = scores.softmax(-1)
     y = probs.to(v.dtype).view(S * G, N * P) @ v.view(N * P, D)
     return y.view(S, G, D), probs.sum((0, 1)).view(N, P) / G
@@ -249,16 +249,17 @@ class FastGenCache(nn.Module):
                 planned = min(math.ceil(group.growth * new), pages * P // 4)
                 group.pages = -(-(sizes[g.stop - 1] + room + planned) // P)
                 self.groups.append(group)
-        self.register_buffer("seen", prompt.seen[:, 0].clone(), persistent=False)
         self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
         self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
         self.register_buffer("dest", torch.zeros(S, dtype=torch.long, device=k.device),
                              persistent=False)
         self.register_buffer("free", self.dest.new_zeros(S, 0), persistent=False)
         self.cursor = 0
-        # The policies that may still evict, and their segments' rows.
-        self.evicting = [(self.policies[i], self.choice == i) for i in chosen
-                         if not self.policies[i].never_evicts]
+        # The policies that may still evict, and each segment's among them (-1: none).
+        self.evicting = [self.policies[i] for i in chosen if not self.policies[i].never_evicts]
+        which = torch.tensor([self.evicting.index(p) if p in self.evicting else -1
+                              for p in self.policies], device=k.device)
+        self.register_buffer("evicts_by", which[self.choice], persistent=False)
         self._place()
         # Kept tokens first, in position order, in each segment's slots: slot
         # start + n of the segment holds its n-th kept token. One gather per field.
@@ -322,11 +323,10 @@ class FastGenCache(nn.Module):
         self.v.view(-1, D).index_copy_(0, slot, v.reshape(S, D))
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, self.token_flags[tokens].expand(B, K).reshape(S))
-        self.seen.copy_(pos + 1)
         # Masked while every query's scores for a slot (S * G floats) are at most a
         # quarter of what the slot holds (2 * D): batch 1 or 2 on most models.
         attention = masked_attention if S * (H // K) <= D // 2 else paged_attention
-        y, last = attention(q.view(S, H // K, D), self.k, self.v, self.pos >= 0, self.owner)
+        y, last = attention(q.view(S, H // K, D), self.k, self.v, self.pos < 0, self.owner)
         if "last" in self.fields:
             self.last.copy_(last)
         self.score += last
@@ -344,11 +344,16 @@ class FastGenCache(nn.Module):
         self.cursor += 1
         self.steps += 1
 
+    def seen(self) -> torch.Tensor:
+        """(S,) tokens each segment's sequence has seen: its prompt and one per
+        step reserved (between steps, every reserved step has run)."""
+        return self.seg_prompt_len + self.steps
+
     def slots(self, g: Group) -> Slots:
         """A group's slots as (n, C) views of the pool: writing to `pos` frees slots."""
         seg = g.seg
         return Slots(g.block(self.pos), g.block(self.score), g.block(self.flags),
-                     self.seen[seg, None], self.seg_prompt_len[seg, None],
+                     self.seen()[seg, None], self.seg_prompt_len[seg, None],
                      self.seg_first_query[seg, None],
                      g.block(self.last) if "last" in self.fields else None)
 
@@ -361,7 +366,7 @@ class FastGenCache(nn.Module):
         index = (self.start[:, None] + cols).masked_fill_(pad, 0)
         take = lambda t, empty: t.view(-1)[index].masked_fill_(pad, empty)  # noqa: E731
         s = Slots(take(self.pos, -1), take(self.score, 0), take(self.flags, 0),
-                  self.seen[:, None], self.seg_prompt_len[:, None], self.seg_first_query[:, None],
+                  self.seen()[:, None], self.seg_prompt_len[:, None], self.seg_first_query[:, None],
                   take(self.last, 0) if "last" in self.fields else None)
         return s, index
 
@@ -372,10 +377,10 @@ class FastGenCache(nn.Module):
         if not self.evicting:
             return
         s, index = self.all_slots()
-        s.keeps_all([policy for policy, _ in self.evicting])
-        drop = torch.zeros_like(s.valid)
-        for policy, rows in self.evicting:
-            drop |= rows[:, None] & ~s.keeps(policy)
+        s.keeps_all(self.evicting)
+        keeps = torch.stack([s.keeps(policy) for policy in self.evicting])  # (n, S, W)
+        by = self.evicts_by
+        drop = (by >= 0)[:, None] & ~keeps[by.clamp(min=0), torch.arange(len(by), device=by.device)]
         freed = index[drop & s.valid]
         self.pos.view(-1)[freed] = -1
         self.score.view(-1)[freed] = 0  # the token written there next starts from nothing
@@ -429,7 +434,8 @@ class FastGenCache(nn.Module):
 
     # --- What the cache holds ------------------------------------------------------
 
-    STATE = ("owner", "start", "width", "seen", "seg_prompt_len", "seg_first_query", "dest", "free")
+    STATE = ("owner", "start", "width", "seg_prompt_len", "seg_first_query", "evicts_by", "dest",
+             "free")
 
     def nbytes(self) -> int:
         """Bytes the cache really holds: K, V and every index and score tensor."""

@@ -111,8 +111,8 @@ def test_masked_attention_equals_paged():
     held = torch.rand(N, P, generator=g) < 0.6
     held[:, 0] = True  # every segment holds something
     held[4] = False  # a page with nothing in it
-    y, last = cache.masked_attention(q, k, v, held, owner)
-    y_ref, last_ref = cache.paged_attention(q, k, v, held, owner)
+    y, last = cache.masked_attention(q, k, v, ~held, owner)
+    y_ref, last_ref = cache.paged_attention(q, k, v, ~held, owner)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(last, last_ref)
     assert (last[~held] == 0).all()
@@ -232,8 +232,8 @@ def test_threshold_one_makes_every_head_full():
 
 def pool_bytes(cache):
     """Every tensor the cache holds, counted from the outside."""
-    named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width", "seen",
-             "seg_prompt_len", "seg_first_query", "dest", "free"}
+    named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width",
+             "seg_prompt_len", "seg_first_query", "evicts_by", "dest", "free"}
     buffers = dict(cache.named_buffers())
     if not any(p.reads_last for p in cache.plan()):
         named.remove("last")  # kept only for a policy that reads it (TOVA)
