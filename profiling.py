@@ -123,9 +123,10 @@ def recoveries(policies: list[Policy], prompt: Slots, prof: Profile,
     """
     ratios = list(prof.bands)
     fixed, band = [], []  # per policy: what it keeps whatever the row; its widest Local's band
+    nothing = torch.zeros_like(prompt.valid)
     for p in policies:
         others = [m for m in p.members() if not isinstance(m, Local)]
-        fixed.append(prompt.keeps(Union(*others)) if others else torch.zeros_like(prompt.valid))
+        fixed.append(prompt.keeps(Union(*others)) if others else nothing)
         local = [m.r for m in p.members() if isinstance(m, Local)]
         band.append(2 + ratios.index(max(local)) if local else 1)
     # A kept token recovers all it received, another what its band received:
@@ -174,15 +175,21 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
     best = torch.cat([torch.full((pad,), -math.inf, dtype=torch.float64),
                       torch.zeros(budget + 1, dtype=torch.float64)])
     shifted = best.unfold(0, budget + 1, 1)  # (pad + 1, budget + 1), a view
+    # An item that another beats (no dearer, no worse, better in one) is never
+    # needed: each segment's DP reads only the others, in menu order.
+    c, v = costs[:, :, None], values[:, :, None]  # item m against item m' (last dim)
+    ct, vt = costs[:, None], values[:, None]
+    beaten = ((ct <= c) & (vt >= v) & ((ct < c) | (vt > v))).any(2)  # (S, M)
+    items = [torch.arange(M)[~b] for b in beaten]
     picks = []
     for s in range(S):
-        options = shifted[pad - costs[s]] + values[s][:, None]  # (M, budget + 1)
+        options = shifted[pad - costs[s, items[s]]] + values[s, items[s], None]
         top, pick = options.max(0)
         best[pad:] = top
         picks.append(pick)
     choice, left = [], budget
     for s in reversed(range(S)):
-        m = int(picks[s][left])
+        m = int(items[s][picks[s][left]])
         choice.append(m)
         left -= int(costs[s][m])
     return torch.tensor(choice[::-1], device=device)
