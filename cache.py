@@ -257,8 +257,8 @@ class FastGenCache(nn.Module):
         self.cursor = 0
         # The policies that may still evict, and each segment's among them (-1: none).
         self.evicting = [self.policies[i] for i in chosen if not self.policies[i].never_evicts]
-        which = torch.tensor([self.evicting.index(p) if p in self.evicting else -1
-                              for p in self.policies], device=k.device)
+        at = {p: i for i, p in enumerate(self.evicting)}
+        which = torch.tensor([at.get(p, -1) for p in self.policies], device=k.device)
         self.register_buffer("evicts_by", which[self.choice], persistent=False)
         self._place()
         # Kept tokens first, in position order, in each segment's slots: slot
