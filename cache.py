@@ -100,10 +100,10 @@ def paged_attention(q, k, v, empty, owner):
     """One query per segment over its pages.
 
     q: (S, G, D); k, v: (N, P, D) pages; empty: (N, P) bool, the slots that hold
-    nothing; owner: (N,) the segment of each page. Returns the output (S, G, D) and the attention each
-    slot got, (N, P) in float32, averaged over the G query heads. The softmax of
-    a segment spans its pages: each page's maximum and sum are combined per
-    segment.
+    nothing; owner: (N,) the segment of each page. Returns the output (S, G, D)
+    and the attention each slot got, (N, P) in float32, averaged over the G
+    query heads. The softmax of a segment spans its pages: each page's maximum
+    and sum are combined per segment.
     """
     S, G, D = q.shape
     N, P = empty.shape
@@ -125,7 +125,8 @@ def masked_attention(q, k, v, empty, owner):
     page. The faster of the two when there are few segments (batch 1)."""
     S, G, D = q.shape
     N, P = empty.shape
-    hidden = (owner != torch.arange(S, device=owner.device)[:, None])[:, :, None] | empty  # (S, N, P)
+    others = owner != torch.arange(S, device=owner.device)[:, None]  # (S, N): not its pages
+    hidden = others[:, :, None] | empty  # (S, N, P)
     scores = (q.reshape(S * G, D) / math.sqrt(D)) @ k.view(N * P, D).T
     scores = scores.float().view(S, G, N * P).masked_fill_(hidden.view(S, 1, N * P), -math.inf)
     probs = scores.softmax(-1)
