@@ -16,7 +16,8 @@ bytes, rounded up to a page.
 
 A decode step does the same few operations whatever the policies: write each
 segment's new token into a free slot chosen in advance, attend over every page
-of the layer at once (a softmax per segment across its pages), and add the
+of the layer at once (a softmax per segment across its pages; with few
+segments, every query over every slot, masked to its own), and add the
 attention each token got to its score. Eviction is the policies' work, and it
 runs between steps (`reserve`), every `evict_every` steps: the policies rank
 every segment's slots (one padded row each, all segments of the layer at once,
