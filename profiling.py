@@ -62,7 +62,7 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     cols, batch = torch.arange(T, device=q.device), torch.arange(B, device=q.device)
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
     if ratios:  # a chunk's band strip reads c * R * c of its c * T scores per head
-        rows_per_chunk = min(rows_per_chunk, max(1, T // (2 * len(ratios))))
+        rows_per_chunk = min(rows_per_chunk, max(32, T // (2 * len(ratios))))
     for i0 in range(int(first.min()), T, rows_per_chunk):
         r = cols[i0:i0 + rows_per_chunk]
         c = len(r)
