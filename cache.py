@@ -272,10 +272,10 @@ class FastGenCache(nn.Module):
         empty = source < 0
         source.clamp_(min=0)
         # k and v are read as the model lays them out, (B, T, K, D), without a copy.
-        row = torch.arange(B * T * K, device=k.device).view(B, T, K).transpose(1, 2)
-        row = row.reshape(S * T).index_select(0, source)
-        rows = lambda x: x.transpose(1, 2).reshape(B * T * K, D).index_select(0, row)  # noqa: E731
-        sources = dict(k=rows(k), v=rows(v),  # (n_slots, D)
+        kv_row = torch.arange(B * T * K, device=k.device).view(B, T, K).transpose(1, 2)
+        kv_row = kv_row.reshape(S * T).index_select(0, source)
+        by_row = lambda x: x.transpose(1, 2).reshape(-1, D).index_select(0, kv_row)  # noqa: E731
+        sources = dict(k=by_row(k), v=by_row(v),  # (n_slots, D)
                        pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
                        flags=prompt.flags)
         for name, fill in self.fields.items():

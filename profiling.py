@@ -78,8 +78,9 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
         chunk = (w.view(B, K, 1, G * c) @ e.view(B, K, G * c, T)).view(B, K, T)
         colsum += chunk
         # The last row alone, in whichever chunk holds it: what TOVA ranks the prompt by.
-        row = (lens - 1 - i0).clamp(0, c - 1)  # (B,)
-        here = (lens - 1 - i0 >= 0) & (lens - 1 - i0 < c)
+        row = lens - 1 - i0  # (B,) the last row's place in this chunk
+        here = (row >= 0) & (row < c)
+        row = row.clamp(0, c - 1)
         at_last = e[batch, :, :, row] * w[batch, :, :, row, None]  # (B, K, G, T)
         last = torch.where(here[:, None, None], at_last.mean(2), last)
         if ratios:
