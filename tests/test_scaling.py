@@ -56,6 +56,14 @@ def test_scaling_cuts_a_prompt_to_the_context(tiny_ckpt, tmp_path):
         scaling.main(small + ["--lengths", "16", "--profile-tokens", "300"])
 
 
+def test_scaling_without_the_papers_fastgen(tiny_ckpt, tmp_path):
+    res = scaling.main(["--quick", "--ckpt", str(tiny_ckpt), "--threads", "1", "--no-paper",
+                        "--out", str(tmp_path / "s")])
+    assert {r["impl"] for r in res["rows"]} == {"transformers", "full", "fastgen"}
+    assert {p["impl"] for p in res["profile"]} == {"fastgen"}
+    assert "the paper's FastGen left out: --no-paper" in (tmp_path / "s.md").read_text()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_scaling_cuda_without_gpu_is_one_line(tiny_ckpt, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scaling.py"), "--quick", "--ckpt",
