@@ -623,6 +623,7 @@ def cli(argv=None) -> int:
         print(f"error: {f'rank {tp.rank()}: ' if tp.rank() else ''}{e}", file=sys.stderr)
         return status
 
+    done = False  # every rank finished its work: they leave the process group together
     try:
         if a.interactive:
             tp.init(a.device)
@@ -632,6 +633,7 @@ def cli(argv=None) -> int:
             from chat import interactive
             return interactive(a.prompt, json_lines=a.json, **kwargs)
         gen = main(a.prompt, stream=single, **kwargs)
+        done = True
         if tp.rank() != 0:
             return 0  # only rank 0 prints the results
     except UsageError as e:
@@ -644,7 +646,7 @@ def cli(argv=None) -> int:
                   file=sys.stderr)
         return 130
     finally:
-        tp.shutdown()
+        tp.shutdown(wait=done)
     if a.json:
         print(json.dumps(gen.as_dict()))
     elif not single:
