@@ -17,17 +17,17 @@ bytes, rounded up to a page.
 A decode step does the same few operations whatever the policies: write each
 segment's new token into a free slot chosen in advance, attend over every page
 of the layer at once (a softmax per segment across its pages; with few
-segments, every query over every slot, masked to its own), and add the
-attention each token got to its score. Eviction is the policies' work, and it
-runs between steps (`reserve`), every `evict_every` steps: the policies rank
-every segment's slots (one padded row each, all segments of the layer at once,
-so that a member several policies share is computed once), free what they no
-longer keep, and every segment is handed its next free slots; a group that
-runs short grows by a page or more (each group starts with room for what the
-budget planned, so that is rare). So the step compiles once, its pool's size
-dynamic, and the sorting that eviction needs is paid once per `evict_every`
-tokens. With `evict_every=1` the cache evicts after every token, as the paper
-describes.
+segments and short prompts, every query over every slot, masked to its own),
+and add the attention each token got to its score. Eviction is the policies'
+work, and it runs between steps (`reserve`), every `evict_every` steps: the
+policies rank every segment's slots (one padded row each, all segments of the
+layer at once, so that a member several policies share is computed once), free
+what they no longer keep, and every segment is handed its next free slots; a
+group that runs short grows by a page or more (each group starts with room for
+what the budget planned, so that is rare). So the step compiles once, its
+pool's size dynamic, and the sorting that eviction needs is paid once per
+`evict_every` tokens. With `evict_every=1` the cache evicts after every token,
+as the paper describes.
 """
 from __future__ import annotations
 
@@ -183,6 +183,7 @@ class FastGenCache(nn.Module):
         self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
         self.steps = 0  # decode steps reserved so far
         self.n_growths = 0
+        self.masked = False  # decode with masked_attention, decided at the end of prefill
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.groups is None:

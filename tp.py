@@ -82,8 +82,8 @@ def shutdown(wait: bool = True):
     """Leave the process group. With `wait`, the ranks first wait for each other:
     a rank that leaves while a peer still reads what it sent can abort in gloo
     ("terminate called without an active exception": twice in this project's
-    test runs, on a loaded 2-core machine). Not after an interruption, when a rank may be stuck
-    in a collective that its peers will no longer join."""
+    test runs, on a loaded 2-core machine). Not after an interruption, when a
+    rank may be stuck in a collective that its peers will no longer join."""
     if dist.is_initialized():
         if wait:
             dist.barrier()
