@@ -132,7 +132,7 @@ def masked_attention(q, k, v, empty, owner):
     """`paged_attention`, computed as one attention of every query over every
     slot of the layer, masked to its own segment's: S times the arithmetic on
     scores, in two matrix products instead of a softmax pieced together page by
-    page. The faster of the two when there are few segments (batch 1)."""
+    page. The faster of the two while those scores are few (MASKED_SCORES)."""
     S, G, D = q.shape
     N, P = empty.shape
     others = owner != torch.arange(S, device=owner.device)[:, None]  # (S, N): not its pages
