@@ -31,6 +31,7 @@ as the paper describes.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ class Group:
     growth: float  # the largest share of new tokens a segment's policy holds (Policy.growth)
     first: int = 0
     pages: int = 1
+
+    def __post_init__(self):
+        self.rows = self.seg.tolist()  # the segment ids on the host, for bookkeeping
 
     def block(self, t: torch.Tensor) -> torch.Tensor:
         """The group's part of a pool tensor (N, P, ...) as (n, C, ...): a view."""
@@ -269,11 +273,11 @@ class FastGenCache(nn.Module):
                              persistent=False)
         self.register_buffer("free", self.dest.new_zeros(S, 0), persistent=False)
         self.cursor = 0
-        # The policies that may still evict, and each segment's among them (-1: none).
-        self.evicting = [self.policies[i] for i in chosen if not self.policies[i].never_evicts]
-        at = {p: i for i, p in enumerate(self.evicting)}
-        which = torch.tensor([at.get(p, -1) for p in self.policies], device=k.device)
-        self.register_buffer("evicts_by", which[self.choice], persistent=False)
+        # Each segment's policy if it may still evict, else -1.
+        self.evicting = any(not self.policies[i].never_evicts for i in chosen)
+        never = torch.tensor([p.never_evicts for p in self.policies], device=k.device)
+        self.register_buffer("evicts_by", self.choice.masked_fill(never[self.choice], -1),
+                             persistent=False)
         self._place()
         # Kept tokens first, in position order, in each segment's slots: slot
         # start + n of the segment holds its n-th kept token. One gather per field.
@@ -345,16 +349,9 @@ class FastGenCache(nn.Module):
         return y.view(B, H, 1, D)
 
     def reserve(self):
-        """Before every decode step, outside compiled code: evict when due,
-        hand out free slots when the last ones are used, and point the step at
-        its slots."""
-        if self.steps % self.evict_every == 0 or self.cursor == self.free.shape[1]:
-            if self.steps % self.evict_every == 0 and self.steps:
-                self.evict()
-            self.refill()
-        self.dest.copy_(self.free[:, self.cursor])
-        self.cursor += 1
-        self.steps += 1
+        """Before every decode step, outside compiled code: `reserve` of this
+        layer alone."""
+        reserve([self])
 
     def seen(self) -> torch.Tensor:
         """(S,) tokens each segment's sequence has seen: its prompt and one per
@@ -369,47 +366,29 @@ class FastGenCache(nn.Module):
                      self.seg_first_query[seg, None],
                      g.block(self.last) if "last" in self.fields else None)
 
-    def all_slots(self) -> tuple[Slots, torch.Tensor]:
-        """Every segment's slots as one padded row, (S, W) copies of the pool's
-        fields (W: the widest segment's slots; padding is empty), in slot order;
-        with each slot's index in the pool's flat slots."""
-        cols = torch.arange(self.max_width, device=self.start.device)
-        pad = cols >= self.width[:, None]
-        index = (self.start[:, None] + cols).masked_fill_(pad, 0)
-        take = lambda t, empty: t.view(-1)[index].masked_fill_(pad, empty)  # noqa: E731
-        s = Slots(take(self.pos, -1), take(self.score, 0), take(self.flags, 0),
-                  self.seen()[:, None], self.seg_prompt_len[:, None], self.seg_first_query[:, None],
-                  take(self.last, 0) if "last" in self.fields else None)
-        return s, index
-
     def evict(self):
-        """Free what each segment's policy no longer keeps. The policies rank one
-        padded row per segment, all segments at once: a member that several
-        policies share (a ranking, a window) is computed once for the layer."""
-        if not self.evicting:
-            return
-        s, index = self.all_slots()
-        s.keeps_all(self.evicting)
-        keeps = torch.stack([s.keeps(policy) for policy in self.evicting])  # (n, S, W)
-        by = self.evicts_by
-        drop = (by >= 0)[:, None] & ~keeps[by.clamp(min=0), torch.arange(len(by), device=by.device)]
-        freed = index[drop & s.valid]
-        self.pos.view(-1)[freed] = -1
-        self.score.view(-1)[freed] = 0  # the token written there next starts from nothing
+        """Free what each segment's policy no longer keeps: `evict` of this layer alone."""
+        evict([self])
 
     def refill(self):
-        """Give every segment its next free slots, as many as the steps until the
-        next eviction, first in slot order; the groups that have fewer grow (one
-        host sync per layer)."""
+        """Give every segment its next free slots: `refill` of this layer alone."""
+        refill([self])
+
+    def need(self) -> int:
+        """Free slots each segment needs until the next eviction (or, past the
+        tokens planned, as in a chat, a round's worth)."""
+        E = self.evict_every
+        remaining = self.max_new_tokens - 1 - self.steps
+        return min(E - self.steps % E, remaining) if remaining > 0 else E
+
+    def grow(self, counts: list[int], need: int) -> bool:
+        """Widen the groups in which a segment has fewer than `need` free slots
+        (counts: each segment's); whether any did."""
         E, P = self.evict_every, self.page
         remaining = self.max_new_tokens - 1 - self.steps
-        need = min(E - self.steps % E, remaining) if remaining > 0 else E  # past the plan: chat
-        S = len(self.dest)
-        free = (self.pos < 0).view(-1).long()
-        counts = self.dest.new_zeros(S).index_add_(0, self.owner, free.view(-1, P).sum(1)).tolist()
         grow = {}
         for i, g in enumerate(self.groups):
-            least = min(counts[s] for s in g.seg.tolist())
+            least = min(counts[s] for s in g.rows)
             if least < need:
                 # Grow to what the budget charged the policy for the rest of the
                 # generation (a quarter more at most), and a round more: a group
@@ -418,14 +397,7 @@ class FastGenCache(nn.Module):
                 grow[i] = -(-(max(need, planned) + E - least) // P)
         if grow:
             self.widen(grow)
-            free = (self.pos < 0).view(-1).long()
-        # Segment s's j-th free slot is where the running count of free slots
-        # reaches the count before its first slot, plus j + 1.
-        running = free.cumsum(0)
-        before = (running - free)[self.start]  # (S,)
-        wanted = before[:, None] + torch.arange(1, need + 1, device=free.device)
-        self.free = torch.searchsorted(running, wanted)  # (S, need)
-        self.cursor = 0
+        return bool(grow)
 
     def widen(self, grow: dict[int, int]):
         """Add `grow[i]` empty pages to each segment of group i; the pool is rebuilt."""
@@ -465,6 +437,119 @@ class FastGenCache(nn.Module):
     def plan(self) -> list[Policy]:
         """The policy of each segment (sequence-major, then KV head)."""
         return [self.policies[i] for i in self.choice.tolist()]
+
+
+def reserve(caches: list[nn.Module]):
+    """Before every decode step, outside compiled code, for every layer's cache:
+    evict when due (all the layers due at once: `evict`), hand out free slots
+    when the last ones are used, and point the step at its slots. Caches of
+    other kinds `reserve` themselves."""
+    fastgen = [c for c in caches if isinstance(c, FastGenCache)]
+    for c in caches:
+        if not isinstance(c, FastGenCache):
+            c.reserve()
+    evict([c for c in fastgen if c.steps % c.evict_every == 0 and c.steps])
+    refill([c for c in fastgen if c.steps % c.evict_every == 0 or c.cursor == c.free.shape[1]])
+    for c in fastgen:
+        c.dest.copy_(c.free[:, c.cursor])
+        c.cursor += 1
+        c.steps += 1
+
+
+def pools(caches: list[FastGenCache]) -> tuple[list[int], list[int], torch.Tensor]:
+    """The layers' pools as if laid end to end: each one's slots and first slot
+    there, and every segment's first slot, (sum of S,)."""
+    sizes = [c.pos.numel() for c in caches]
+    offsets = [0, *itertools.accumulate(sizes)][:-1]
+    return sizes, offsets, torch.cat([c.start + offset for c, offset in zip(caches, offsets)])
+
+
+def refill(caches: list[FastGenCache]):
+    """Give every segment of every layer its next free slots, as many as the
+    steps until the next eviction, first in slot order; the groups that have
+    fewer grow. One host sync for all the layers."""
+    def running_free():
+        """Running count of free slots over the pools end to end, and its value
+        before each segment's first slot; the layers' offsets."""
+        sizes, offsets, start = pools(layers)
+        free = torch.cat([c.pos.view(-1) for c in layers]).lt(0).long()
+        running = free.cumsum(0)
+        return running, (running - free)[start], start, offsets
+
+    by_need = {}
+    for c in caches:
+        by_need.setdefault(c.need(), []).append(c)
+    for need, layers in by_need.items():
+        segments = [len(c.dest) for c in layers]
+        running, before, start, offsets = running_free()
+        width = torch.cat([c.width for c in layers])
+        counts = (running[start + width - 1] - before).tolist()
+        bounds = list(itertools.accumulate(segments, initial=0))
+        if any([c.grow(counts[i:j], need) for c, i, j in zip(layers, bounds, bounds[1:])]):
+            running, before, start, offsets = running_free()  # the grown pools moved
+        # Segment s's j-th free slot is where the running count of free slots
+        # reaches the count before its first slot, plus j + 1.
+        wanted = before[:, None] + torch.arange(1, need + 1, device=running.device)
+        slots = torch.searchsorted(running, wanted)  # (sum of S, need)
+        for c, part, offset in zip(layers, slots.split(segments), offsets):
+            c.free = part - offset
+            c.cursor = 0
+
+
+def evict(caches: list[FastGenCache]):
+    """Free what each segment's policy no longer keeps, in every layer given.
+
+    Every segment's slots become one padded row, the rows of all the layers
+    ordered by policy, and each policy ranks its own rows once: a few hundred
+    small operations for the model, not for each layer, and no segment ranked
+    by a policy that is not its own. The layers must share one list of policies
+    (`fastgen_caches` makes them so)."""
+    caches = [c for c in caches if c.evicting]
+    if not caches:
+        return
+    policies = caches[0].policies
+    if any(c.policies != policies for c in caches):
+        raise ValueError("evict: the layers' caches must share one list of policies")
+    # The layers' slot fields end to end, and each segment's run of slots in them.
+    sizes, offsets, start = pools(caches)
+    names = ["pos", "score", "flags"] + (["last"] if any(p.reads_last for p in policies) else [])
+    flat = {name: torch.cat([getattr(c, name).view(-1) if name in c.fields
+                             else c.score.new_zeros(size) for c, size in zip(caches, sizes)])
+            for name in names}
+    width = torch.cat([c.width for c in caches])
+    by = torch.cat([c.evicts_by for c in caches])
+    column = lambda t: torch.cat([t(c) for c in caches])[:, None]  # noqa: E731
+    seen, prompt_len = column(FastGenCache.seen), column(lambda c: c.seg_prompt_len)
+    first_query = column(lambda c: c.seg_first_query)
+    # The rows by policy (those that never evict first, left out): how many rows
+    # each policy has, and its widest, in one host sync.
+    M = len(policies)
+    order = by.argsort(stable=True)
+    counts = torch.bincount(by + 1, minlength=M + 1)
+    widest = counts.new_zeros(M + 1).scatter_reduce_(0, by + 1, width, "amax")
+    counts, widest = torch.stack([counts, widest]).tolist()
+    order = order[counts[0]:]
+    cols = torch.arange(max(widest[1:]), device=start.device)
+    pad = cols >= width[order, None]
+    index = (start[order, None] + cols).masked_fill_(pad, 0)  # (R, W) flat slots
+    rows = {name: flat[name][index].masked_fill_(pad, SLOT_FIELDS[name]) for name in names}
+    seen, prompt_len, first_query = seen[order], prompt_len[order], first_query[order]
+    freed, a = [], 0
+    for policy, n, w in zip(policies, counts[1:], widest[1:]):
+        if n == 0:
+            continue
+        part = lambda t: t[a:a + n, :w]  # noqa: E731
+        s = Slots(part(rows["pos"]), part(rows["score"]), part(rows["flags"]), seen[a:a + n],
+                  prompt_len[a:a + n], first_query[a:a + n],
+                  part(rows["last"]) if "last" in rows else None)
+        freed.append(part(index)[s.valid & ~policy.keep(s)])
+        a += n
+    freed = torch.cat(freed)
+    flat["pos"][freed] = -1
+    flat["score"][freed] = 0  # the token written there next starts from nothing
+    for name in ("pos", "score"):
+        for c, t in zip(caches, flat[name].split(sizes)):
+            getattr(c, name).view(-1).copy_(t)
 
 
 def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options):

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from cache import reserve
 from generate import (CHAT_ROOM, StreamPrinter, UsageError, check_args, compiled_decode, decode,
                       decode_one_token, dense_kv_bytes, flags_of, load, make_caches, sample)
 from tokenizer import TokenizerError
@@ -154,8 +155,7 @@ class Chat:
         if self.kv != "full" and not first:
             step = compiled_decode() if self.compile else decode_one_token
             for i, t in enumerate(ids):
-                for c in model.caches():
-                    c.reserve()
+                reserve(model.caches())
                 cur = step(model, torch.tensor([[t]], device=self.device),
                            torch.tensor([[start + i]], device=self.device), **self.sampling)
             return cur

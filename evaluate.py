@@ -161,8 +161,7 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=
     model.setup_caches(caches)
     out, pos = [last], lens[:, None]
     for i in range(n - 1):
-        for c in caches:
-            c.reserve()
+        fastgen_cache.reserve(caches)
         token = follow[:, i:i + 1] if follow is not None else out[-1].argmax(-1, keepdim=True)
         out.append(model(token, pos + i)[:, 0])
     nbytes = sum(c.nbytes() for c in caches)

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 import tp
+from cache import fastgen_caches, reserve
 from model import KVCache, Transformer
+from policies import SnapKV, baseline, menu, shortlist
 
 KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,8 +108,7 @@ def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bo
         finished = False
         while not finished and steps < max_steps:
             t0 = time.perf_counter()
-            for c in model.caches():
-                c.reserve()
+            reserve(model.caches())
             cur = step(model, cur, input_pos, **sampling)
             sync()
             elapsed = time.perf_counter() - t0
@@ -152,8 +153,6 @@ def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tok
         max_len = max(prompt_lens) + max_new_tokens
         return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
                 for _ in model.layers]
-    from cache import fastgen_caches
-    from policies import SnapKV, baseline, menu, shortlist
     if paper:
         hh_score, obs_window, sink_mass = "sum", 0, "count"
         evict_every = evict_every or 1
@@ -313,8 +312,7 @@ def score(model: Transformer, prompts: list[list[int]], continuations: list[list
     logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens))
     out = [logits[torch.arange(B, device=device), prompt_lens - 1]]
     for i in range(N - 1):
-        for c in model.caches():
-            c.reserve()
+        reserve(model.caches())
         out.append(model(follow[:, i:i + 1], (prompt_lens + i)[:, None])[:, 0])
     model.setup_caches(None)
     return torch.stack(out, dim=1)

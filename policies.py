@@ -11,6 +11,7 @@ on the cache after every decode step (to evict), so the two can never drift.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -83,10 +84,14 @@ class Slots:
 
     def top(self, key, values, k: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Bool (N, C): the k (N, 1) slots with the largest `values()` among the valid
-        ones (or `valid`); among equal values the leftmost slot wins. Ranked once per
-        `key` (see `rank`); k may also be (R, N, 1), for R counts at once."""
+        ones (or `valid`); among equal values the leftmost slot wins. k may also be
+        (R, N, 1), for R counts at once: then the slots are ranked, once per `key`
+        (see `rank`), as they are when that key is ranked already; one count is
+        `select`ed, which costs a third to a half of a sort."""
         valid = self.valid if valid is None else valid
-        return valid & (self.rank(key, values, valid) < k)
+        if key in self.memo or (k.dim() > valid.dim() and len(k) > 1):
+            return valid & (self.rank(key, values, valid) < k)
+        return select(values(), valid, k.view(-1, 1)).view(*k.shape[:-1], valid.shape[-1])
 
     @property
     def mean_score(self) -> torch.Tensor:
@@ -122,10 +127,32 @@ def ranks(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
 
 
-def top(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def select(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Bool (N, C): the k (N, 1) valid slots with the largest values; among
-    equal values the leftmost slot wins."""
-    return valid & (ranks(values, valid) < k)
+    equal values the leftmost slot wins: `ranks(values, valid) < k`, without a
+    sort. The k-th largest value (or, when fewer are dropped than kept, the
+    d-th smallest of the d dropped) is found by a top-k; the slots beyond it are
+    in, those tied with it taken from the left (dropped from the right)."""
+    held = valid.sum(-1, keepdim=True)
+    k = torch.minimum(k, held)
+    drop = held - k
+    most_kept, most_dropped = torch.stack([k.max(), drop.max()]).tolist()
+    if most_dropped == 0:
+        return valid.clone()
+    if most_kept <= most_dropped:
+        if most_kept == 0:
+            return torch.zeros_like(valid)
+        v = values.masked_fill(~valid, -math.inf)
+        edge = v.topk(most_kept, -1).values.gather(-1, (k - 1).clamp(min=0))
+        tied = valid & (v == edge)
+        room = k - (valid & (v > edge)).sum(-1, keepdim=True)
+        return (k > 0) & valid & ((v > edge) | (tied & (tied.cumsum(-1) <= room)))
+    v = values.masked_fill(~valid, math.inf)
+    edge = v.topk(most_dropped, -1, largest=False).values.gather(-1, (drop - 1).clamp(min=0))
+    tied = valid & (v == edge)
+    room = drop - (valid & (v < edge)).sum(-1, keepdim=True)
+    from_right = tied.flip(-1).cumsum(-1).flip(-1)
+    return valid & ~((drop > 0) & ((v < edge) | (tied & (from_right <= room))))
 
 
 class Policy:

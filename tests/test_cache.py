@@ -198,6 +198,49 @@ def test_model_with_fastgen_caches_equals_reference(policies, threshold, n_kv_he
     assert sum(c.ref.dropped for c in caches) > 0
 
 
+@pytest.mark.parametrize("evict_every", [None, 3])
+@torch.no_grad()
+def test_layers_reserve_together_as_each_alone(evict_every):
+    """`cache.reserve` evicts and refills every layer at once (one ranking of all
+    their segments, one count of free slots): step after step, the same slots,
+    scores and model outputs as each layer's own `reserve`, with layers whose
+    heads took different policies (TOVA's latest attention held in some)."""
+    model = tiny_model(n_layers=4)
+    prompts, lens, max_new = prompts_of([30, 21], seed=5), [30, 21], 40
+    tokens, lens_t = padded(prompts)
+    flags = random_flags(256, 2)
+    policies = [TOVA(0.6), Sink(2) | Local(0.3), Frequent(0.4, "mean") | Local(0.2), Full()]
+
+    def make():
+        caches = fastgen_caches(model, policies, lens, max_new, flags, evict_every=evict_every)
+        for c, threshold in zip(caches, (0.3, 0.6, 0.85, 0.9)):  # for plans that differ
+            c.threshold = threshold
+        return caches
+
+    alone, together = make(), make()
+    outs = []
+    for caches in (alone, together):
+        model.setup_caches(caches)
+        outs.append(model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)))
+    assert len({tuple(map(repr, c.plan())) for c in alone}) > 1  # the layers differ
+    assert any("last" in c.fields for c in alone) and not all("last" in c.fields for c in alone)
+    follow = torch.randint(0, 256, (2, max_new), generator=torch.Generator().manual_seed(6))
+    for i in range(max_new - 1):
+        for c in alone:
+            c.reserve()
+        cache.reserve(together)
+        for a, b in zip(alone, together):
+            for name in (*a.fields, "dest", "owner"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+        steps = []
+        for caches in (alone, together):
+            model.setup_caches(caches)
+            steps.append(model(follow[:, i:i + 1], lens_t[:, None] + i))
+        assert torch.equal(steps[0], steps[1])
+    assert sum(c.kept() for c in together) < sum(c.pos.numel() for c in together)
+    model.setup_caches(None)
+
+
 # --- Full() is the dense cache ----------------------------------------------
 
 def test_full_everywhere_matches_the_dense_cache():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV,
-                      Special, Union, baseline, menu, shortlist, token_flags)
+                      Special, Union, baseline, menu, ranks, select, shortlist, token_flags)
 from tokenizer import _is_punctuation
 
 
@@ -282,3 +282,31 @@ def test_keep_all_equals_each_keep_alone():
     s.keeps_all(menu())
     for p in menu():
         assert torch.equal(s.keeps(p), p.keep(fresh())), p
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_select_keeps_what_ranking_keeps(seed):
+    """`select` (a top-k of the kept or of the dropped) against `ranks` (a sort):
+    the same slots, with many ties (the leftmost kept), empty slots, infinite
+    values (the newest token's mean score), and counts from none to all."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        N, C = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 30, (1,), generator=g))
+        values = torch.randint(0, 4, (N, C), generator=g).float()
+        if seed % 2:
+            values = torch.randn(N, C, generator=g)
+        values[torch.rand(N, C, generator=g) < 0.1] = math.inf
+        valid = torch.rand(N, C, generator=g) < 0.8
+        k = torch.randint(0, C + 2, (N, 1), generator=g)
+        assert torch.equal(select(values, valid, k), valid & (ranks(values, valid) < k))
+
+
+def test_one_count_is_selected_several_are_ranked():
+    """Slots.top sorts only for several counts at once (the menu at prefill) or a
+    key already ranked; the result is the same either way."""
+    s = example()
+    one = s.top("score", lambda: s.score, torch.tensor([[3]]))
+    assert "score" not in s.memo
+    several = s.top("score", lambda: s.score, torch.tensor([[[3]], [[5]]]))
+    assert "score" in s.memo and torch.equal(several[0], one)
+    assert torch.equal(s.top("score", lambda: s.score, torch.tensor([[3]])), one)
