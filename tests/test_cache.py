@@ -106,7 +106,7 @@ def decode_attention(request, monkeypatch):
 def test_masked_attention_equals_paged():
     g = torch.Generator().manual_seed(0)
     S, G, D, N, P = 3, 2, 8, 7, 4
-    q, k, v = (torch.randn(*shape, generator=g) for shape in [(S, G, D), (N, P, D), (N, P, D)])
+    q, k, v = (torch.randn(*shape, generator=g) for shape in [(S, G, D), (N, D, P), (N, P, D)])
     owner = torch.tensor([0, 0, 1, 2, 2, 2, 1])
     held = torch.rand(N, P, generator=g) < 0.6
     held[:, 0] = True  # every segment holds something
@@ -115,6 +115,12 @@ def test_masked_attention_equals_paged():
     y_ref, last_ref = cache.paged_attention(q, k, v, ~held, owner)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(last, last_ref)
+    for s in range(S):  # each segment's softmax over the slots it holds, (K transposed in pages)
+        mine = held & (owner == s)[:, None]
+        keys, values = k.transpose(1, 2)[mine], v[mine]  # (n, D)
+        p = (q[s] @ keys.T / D ** 0.5).softmax(-1)  # (G, n)
+        torch.testing.assert_close(y[s], p @ values)
+        torch.testing.assert_close(last[mine], p.mean(0))
     assert (last[~held] == 0).all()
     torch.testing.assert_close(last.new_zeros(S).index_add_(0, owner, last.sum(1)),
                                torch.ones(S))  # each segment's attention sums to one
@@ -296,8 +302,8 @@ def test_reported_compression_is_what_the_tensors_hold():
     for c in caches:
         assert c.cache.kept() == sum(map(len, c.ref.kept.values()))
         assert c.cache.nbytes() == pool_bytes(c.cache)
-        N, P, D = c.cache.k.shape
-        assert c.cache.v.shape == (N, P, D) and c.cache.owner.shape == (N,)
+        N, P, D = c.cache.v.shape
+        assert c.cache.k.shape == (N, D, P) and c.cache.owner.shape == (N,)
         assert all(t.shape == (N, P) for t in (c.cache.pos, c.cache.score, c.cache.flags))
         # Each group's block is as wide as its fullest segment plus one round of new
         # tokens, rounded up to a page.
