@@ -126,7 +126,7 @@ class ProbedKVCache(KVCache):
         y = super().forward(q, k, v, input_pos, tokens)
         if k.shape[2] == 1:
             B, K, _, D = k.shape
-            slots = torch.arange(self.k.shape[2], device=q.device)
+            slots = torch.arange(self.v.shape[2], device=q.device)
             visible = (slots[None, :] <= input_pos)[:, None, None, :]
             self.probs = attend(q.view(B, K, -1, D), self.k, self.v, visible)[1].mean(2)
         return y
