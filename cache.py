@@ -20,12 +20,13 @@ segment's new token into a free slot chosen in advance, attend over every page
 of the layer at once (a softmax per segment across its pages; with few
 segments and short prompts, every query over every slot, masked to its own),
 and add the attention each token got to its score. Eviction is the policies'
-work, and it runs between steps (`reserve`), every `evict_every` steps: the
-policies rank every segment's slots (one padded row each, all segments of the
-layer at once, so that a member several policies share is computed once), free
-what they no longer keep, and every segment is handed its next free slots; a
-group that runs short grows by a page or more (each group starts with room for
-what the budget planned, so that is rare). So the step compiles once, its
+work, and it runs between steps (`reserve`), for every layer at once, every
+`evict_every` steps: each segment's slots become one padded row, the rows of
+all the layers sorted by policy, each policy keeps from its own rows (a top-k,
+not a sort), what is no longer kept is freed, and every segment is handed its
+next free slots; a group that runs short grows by a page or more (each group
+starts with room for what the budget planned, so that is rare). Done a layer at
+a time, the same work was a few hundred small operations per layer. So the step compiles once, its
 pool's size dynamic, and the sorting that eviction needs is paid once per
 `evict_every` tokens. With `evict_every=1` the cache evicts after every token,
 as the paper describes.
