@@ -7,8 +7,9 @@ tokens that policy keeps.
 
 Storage is one pool of pages per layer: N pages of P slots, V as (N, P, D)
 and K transposed, (N, D, P), so that scoring a page is a plain (G, D) x (D, P)
-product (twice as fast as against (P, D) pages on CPU), and every slot has a position (-1: empty), a heavy-hitter score, token
-flags and the attention the latest query gave it. Each segment owns a run of
+product (on CPU, markedly faster than against (P, D) pages), and every slot
+has a position (-1: empty), a heavy-hitter score, token flags and the
+attention the latest query gave it. Each segment owns a run of
 pages. Segments that share a policy and hold about as many tokens form a
 `Group`, whose pages sit together in the pool as an (n, C) block, C slots per
 segment, so that a policy reads them as the padded `Slots` it ranks. A head
@@ -25,11 +26,11 @@ work, and it runs between steps (`reserve`), for every layer at once, every
 all the layers sorted by policy, each policy keeps from its own rows (a top-k,
 not a sort), what is no longer kept is freed, and every segment is handed its
 next free slots; a group that runs short grows by a page or more (each group
-starts with room for what the budget planned, so that is rare). Done a layer at
-a time, the same work was a few hundred small operations per layer. So the step compiles once, its
-pool's size dynamic, and the sorting that eviction needs is paid once per
-`evict_every` tokens. With `evict_every=1` the cache evicts after every token,
-as the paper describes.
+starts with room for what the budget planned, so that is rare). Done a layer
+at a time, the same work was a few hundred small operations per layer. So the
+step compiles once, its pool's size dynamic, and the ranking that eviction
+needs is paid once per `evict_every` tokens. With `evict_every=1` the cache
+evicts after every token, as the paper describes.
 """
 from __future__ import annotations
 
@@ -111,14 +112,15 @@ def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int
 def paged_attention(q, k, v, empty, owner):
     """One query per segment over its pages.
 
-    q: (S, G, D); k: (N, D, P) and v: (N, P, D) pages; empty: (N, P) bool, the slots that hold
-    nothing; owner: (N,) the segment of each page. Returns the output (S, G, D)
-    and the attention each slot got, (N, P) in float32, averaged over the G
-    query heads. The softmax of a segment spans its pages: each page's maximum
-    and sum are combined per segment, and the pages' outputs by a product with
-    the (S, N) matrix of which page is whose: compiled, a scatter of the outputs
-    adds atomically, and this attention took 1.4 ms a layer at 2k x 8 on CPU
-    instead of 1.05 (eager, the product costs 0.07 ms more than the scatter).
+    q: (S, G, D); k: (N, D, P) and v: (N, P, D) pages; empty: (N, P) bool, the
+    slots that hold nothing; owner: (N,) the segment of each page. Returns the
+    output (S, G, D) and the attention each slot got, (N, P) in float32,
+    averaged over the G query heads. The softmax of a segment spans its pages:
+    each page's maximum and sum are combined per segment, and the pages' outputs
+    by a product with the (S, N) matrix of which page is whose: compiled, a
+    scatter of the outputs adds atomically, and this attention took 1.4 ms a
+    layer at 2k x 8 on CPU instead of 1.05 (eager, the product costs 0.07 ms
+    more than the scatter).
     """
     S, G, D = q.shape
     N, P = empty.shape
@@ -323,7 +325,6 @@ class FastGenCache(nn.Module):
             width[g.seg] = g.pages * self.page
         self.register_buffer("start", start, persistent=False)
         self.register_buffer("width", width, persistent=False)
-        self.max_width = max(g.pages for g in self.groups) * self.page
 
     def _mark_dynamic(self):
         """Compiled code sees the pool's page count as dynamic from the first step:
@@ -342,7 +343,8 @@ class FastGenCache(nn.Module):
         pos = input_pos.expand(B, K).reshape(S)
         slot = self.dest
         P = self.page
-        # K's pages are (D, P): the new key's D values lie P apart.
+        # K's pages are (D, P): the new key's D values lie P apart. One flat
+        # index_copy_, which compiled ran faster than writing k[page, :, slot].
         at = (slot // P * (D * P) + slot % P)[:, None] + P * torch.arange(D, device=slot.device)
         self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
         self.v.view(-1, D).index_copy_(0, slot, v.reshape(S, D))
@@ -475,7 +477,7 @@ def refill(caches: list[FastGenCache]):
     """Give every segment of every layer its next free slots, as many as the
     steps until the next eviction, first in slot order; the groups that have
     fewer grow. One host sync for all the layers."""
-    def running_free():
+    def running_free(layers):
         """Running count of free slots over the pools end to end, and its value
         before each segment's first slot; the layers' offsets."""
         sizes, offsets, start = pools(layers)
@@ -488,12 +490,12 @@ def refill(caches: list[FastGenCache]):
         by_need.setdefault(c.need(), []).append(c)
     for need, layers in by_need.items():
         segments = [len(c.dest) for c in layers]
-        running, before, start, offsets = running_free()
+        running, before, start, offsets = running_free(layers)
         width = torch.cat([c.width for c in layers])
         counts = (running[start + width - 1] - before).tolist()
         bounds = list(itertools.accumulate(segments, initial=0))
         if any([c.grow(counts[i:j], need) for c, i, j in zip(layers, bounds, bounds[1:])]):
-            running, before, start, offsets = running_free()  # the grown pools moved
+            running, before, start, offsets = running_free(layers)  # the grown pools moved
         # Segment s's j-th free slot is where the running count of free slots
         # reaches the count before its first slot, plus j + 1.
         wanted = before[:, None] + torch.arange(1, need + 1, device=running.device)

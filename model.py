@@ -164,7 +164,7 @@ def attend(q, k, v, visible):
 
     q: (N, G, D) queries grouped by the KV head they share; k: (N, D, S), the
     keys transposed, so that the scores are a plain (G, D) x (D, S) product
-    (on CPU it reads the keys a third faster than against (S, D) rows);
+    (on CPU it reads the keys faster than against (S, D) rows);
     v: (N, S, D); visible: (N, 1, S) bool. Returns the output (N, G, D) and
     the attention probabilities (N, G, S) in float32.
     """
