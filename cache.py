@@ -126,13 +126,20 @@ def paged_attention(q, k, v, empty, owner):
     N, P = empty.shape
     scores = ((q.index_select(0, owner) @ k) / math.sqrt(D)).float()  # (N, G, P)
     scores = scores.masked_fill(empty[:, None], -math.inf)
-    per_page = owner[:, None].expand(N, G)
-    top = scores.new_full((S, G), -math.inf).scatter_reduce(0, per_page, scores.amax(-1), "amax")
+    mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
+    page_top = scores.amax(-1)  # (N, G)
+    if torch.compiler.is_compiling():
+        # Compiled, one fused reduction over each segment's pages, where a
+        # scatter_reduce stays an op of its own; eager, this would write out
+        # an (S, N, G) tensor, and the scatter is the faster.
+        top = page_top.expand(S, N, G).masked_fill(~mine[..., None], -math.inf).amax(1)
+    else:
+        top = page_top.new_full((S, G), -math.inf).scatter_reduce(
+            0, owner[:, None].expand(N, G), page_top, "amax")
     e = (scores - top.index_select(0, owner)[..., None]).exp()
     total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
     probs = e / total.index_select(0, owner)[..., None]
-    mine = (owner == torch.arange(S, device=owner.device)[:, None]).float()  # (S, N)
-    y = mine @ (probs.to(v.dtype) @ v).float().view(N, G * D)
+    y = mine.float() @ (probs.to(v.dtype) @ v).float().view(N, G * D)
     return y.view(S, G, D).to(v.dtype), probs.mean(1)
 
 
