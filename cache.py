@@ -18,7 +18,7 @@ bytes, rounded up to a page.
 
 A decode step does the same few operations whatever the policies: write each
 segment's new token into a free slot chosen in advance, attend over every page
-of the layer at once (a softmax per segment across its pages; with few
+of the layer at once (a softmax per segment across its pages; eager, with few
 segments and short prompts, every query over every slot, masked to its own),
 and add the attention each token got to its score. Eviction is the policies'
 work, and it runs between steps (`reserve`), for every layer at once, every
@@ -61,10 +61,10 @@ EVICT_EVERY = 8
 # Segments share a group while the largest holds at most this much more than
 # the smallest (plus a page): the rest of a group's width is padding.
 SPREAD = 1.05
-# A layer attends with `masked_attention` while its scores (every query against
-# every slot of the pool) are at most this many floats, else `paged_attention`:
-# batch 1 up to about 2k tokens and batch 2 at 512 on SmolLM2. Measured on CPU,
-# eager the two break even near 4x this, compiled near 1x.
+# An eager step attends with `masked_attention` while a layer's scores (every
+# query against every slot of the pool) are at most this many floats, else with
+# `paged_attention`: batch 1 up to about 2k tokens and batch 2 at 512 on
+# SmolLM2. Compiled, every layer attends with `paged_attention`.
 MASKED_SCORES = 1 << 15
 
 # The pool's per-slot tensors and what an empty slot holds.
@@ -147,7 +147,8 @@ def masked_attention(q, k, v, empty, owner):
     """`paged_attention`, computed as one attention of every query over every
     slot of the layer, masked to its own segment's: S times the arithmetic on
     scores, in two matrix products instead of a softmax pieced together page by
-    page. The faster of the two while those scores are few (MASKED_SCORES)."""
+    page. Eager, the faster of the two while those scores are few
+    (MASKED_SCORES); compiled, the slower."""
     S, G, D = q.shape
     N, P = empty.shape
     others = owner != torch.arange(S, device=owner.device)[:, None]  # (S, N): not its pages
@@ -198,7 +199,7 @@ class FastGenCache(nn.Module):
         self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
         self.steps = 0  # decode steps reserved so far
         self.n_growths = 0
-        self.masked = False  # decode with masked_attention, decided at the end of prefill
+        self.masked = False  # eager decode with masked_attention, decided at the end of prefill
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.groups is None:
@@ -357,7 +358,11 @@ class FastGenCache(nn.Module):
         self.v.view(-1, D).index_copy_(0, slot, v.reshape(S, D))
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, self.token_flags[tokens].expand(B, K).reshape(S))
-        attention = masked_attention if self.masked else paged_attention
+        # Compiled, the pages' softmax fuses and paged attention was the faster at
+        # every size measured; eager, the masked one's fewer ops win while its
+        # scores are few (MASKED_SCORES).
+        masked = self.masked and not torch.compiler.is_compiling()
+        attention = masked_attention if masked else paged_attention
         y, last = attention(q.view(S, H // K, D), self.k, self.v, self.pos < 0, self.owner)
         if "last" in self.fields:
             self.last.copy_(last)
