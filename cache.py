@@ -64,7 +64,8 @@ SPREAD = 1.05
 # An eager step attends with `masked_attention` while a layer's scores (every
 # query against every slot of the pool) are at most this many floats, else with
 # `paged_attention`: batch 1 up to about 2k tokens and batch 2 at 512 on
-# SmolLM2. Compiled, every layer attends with `paged_attention`.
+# SmolLM2. Compiled, where the pages' softmax fuses, every layer attends with
+# `paged_attention`: it was the faster at every size measured.
 MASKED_SCORES = 1 << 15
 
 # The pool's per-slot tensors and what an empty slot holds.
@@ -118,9 +119,7 @@ def paged_attention(q, k, v, empty, owner):
     averaged over the G query heads. The softmax of a segment spans its pages:
     each page's maximum and sum are combined per segment, and the pages' outputs
     by a product with the (S, N) matrix of which page is whose: compiled, a
-    scatter of the outputs adds atomically, and this attention took 1.4 ms a
-    layer at 2k x 8 on CPU instead of 1.05 (eager, the product costs 0.07 ms
-    more than the scatter).
+    scatter of the outputs adds atomically, which ran slower on CPU.
     """
     S, G, D = q.shape
     N, P = empty.shape
@@ -358,10 +357,7 @@ class FastGenCache(nn.Module):
         self.v.view(-1, D).index_copy_(0, slot, v.reshape(S, D))
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, self.token_flags[tokens].expand(B, K).reshape(S))
-        # Compiled, the pages' softmax fuses and paged attention was the faster at
-        # every size measured; eager, the masked one's fewer ops win while its
-        # scores are few (MASKED_SCORES).
-        masked = self.masked and not torch.compiler.is_compiling()
+        masked = self.masked and not torch.compiler.is_compiling()  # see MASKED_SCORES
         attention = masked_attention if masked else paged_attention
         y, last = attention(q.view(S, H // K, D), self.k, self.v, self.pos < 0, self.owner)
         if "last" in self.fields:
