@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from model import causal_attention
 from policies import Policy, Slots
-from profiling import attention_sums, choose, fit_budget, local_ratios, recoveries
+from profiling import Profile, attention_sums, choose, fit_budget, local_ratios, recoveries
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, n segments in a group, T prompt tokens, N pages, P slots
@@ -67,6 +67,11 @@ SPREAD = 1.05
 # SmolLM2. Compiled, where the pages' softmax fuses, every layer attends with
 # `paged_attention`: it was the faster at every size measured.
 MASKED_SCORES = 1 << 15
+# Prompt keys and values that layers waiting to be compressed together may
+# hold (`Pending`), besides one layer's: every layer of a 512-token prompt at
+# batch 1, two to three at 2k x 8; below what the prefill's own activations
+# take at the sizes where it binds.
+HELD_BYTES = 64 << 20
 
 # The pool's per-slot tensors and what an empty slot holds.
 SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
@@ -176,13 +181,14 @@ class FastGenCache(nn.Module):
     reads the last `rows` prompt rows (None: all of them) and, unless `sink`,
     leaves the first token's attention out of the recovery. Eviction runs every
     `evict_every` decode steps (None: half a page, at least EVICT_EVERY); pages
-    hold `page` slots (None: by prompt length).
+    hold `page` slots (None: by prompt length). Layers that share `pending`
+    choose their policies and compress together (`Pending`).
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
-                 page: int | None = None):
+                 page: int | None = None, pending: Pending | None = None):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
@@ -199,6 +205,11 @@ class FastGenCache(nn.Module):
         self.steps = 0  # decode steps reserved so far
         self.n_growths = 0
         self.masked = False  # eager decode with masked_attention, decided at the end of prefill
+        # The layers that decide together (`fastgen_caches` shares one); alone, this one.
+        self.pending = Pending(1) if pending is None else pending
+        self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
+        lens = self.prompt_lens
+        self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.groups is None:
@@ -210,25 +221,41 @@ class FastGenCache(nn.Module):
     def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots, (S, T), scored by the attention of the rows read,
         and the recovery of every policy, (S, n_policies)."""
-        B, K, T, D = k.shape
+        prof = attention_sums(q, k, self.prompt_lens, local_ratios(self.policies), rows)
+        prompt = self.prompt_slots(prof, tokens, k.shape[1])
+        prompt.keeps_all(self.policies)
+        return prompt, recoveries(self.policies, prompt, prof, sink)
+
+    def prompt_slots(self, prof: Profile, tokens, n_kv_heads: int, layers: int = 1) -> Slots:
+        """The prompt's slots as profiling scored them, (S, T), for `layers`
+        layers' profiles stacked, (layers * S, T)."""
         lens = self.prompt_lens
-        prof = attention_sums(q, k, lens, local_ratios(self.policies), rows)
-        per_seg = lambda t: t.repeat_interleave(K, dim=0)  # (B, ...) -> (S, ...)  # noqa: E731
-        positions = torch.arange(T, device=k.device)
-        prompt = Slots(
+        T = tokens.shape[1]
+        per_seg = lambda t: t.repeat_interleave(n_kv_heads, dim=0).repeat(  # noqa: E731
+            layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * S, ...)
+        positions = torch.arange(T, device=lens.device)
+        return Slots(
             pos=per_seg(torch.where(positions < lens[:, None], positions, -1)),
             score=prof.colsum, flags=per_seg(self.token_flags[tokens]),
             seen=per_seg(lens[:, None]), prompt_len=per_seg(lens[:, None]),
             first_query=per_seg(lens[:, None]) - prof.rows.long()[:, None], last=prof.last)
-        prompt.keeps_all(self.policies)
-        return prompt, recoveries(self.policies, prompt, prof, sink)
 
     def prefill(self, q, k, v, tokens):
+        """Profile the prompt; the choice of policies and the compression wait
+        for the other layers' (`Pending`), at most until the model's last layer."""
         t0 = _clock(q.device)
+        self.heads_per_kv = q.shape[1] // k.shape[1]
+        # The queries of the rows profiling reads, not the whole prompt's.
+        self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
+        self.profile_s = _clock(q.device) - t0
+        self.pending.add(self)
+        return causal_attention(q, k, v)
+
+    def decide(self, prompt: Slots, keeps, growth, recovery, k, v):
+        """Choose each segment's policy from the recovery (S, M) of every policy
+        on its prompt, then compress. keeps: (M, S, T); growth: (S, M)."""
         B, K, T, D = k.shape
-        prompt, self.recovery = self.profile(q, k, tokens, self.rows, self.sink)
-        keeps = torch.stack([prompt.keeps(p) for p in self.policies])  # (M, S, T)
-        growth = torch.stack([p.growth(prompt) for p in self.policies], dim=1)  # (S, M)
+        self.recovery = recovery
         if len(self.policies) == 1:
             self.choice = torch.zeros(B * K, dtype=torch.long, device=k.device)
         elif self.budget is not None:
@@ -237,14 +264,11 @@ class FastGenCache(nn.Module):
             new = self.max_new_tokens - 1
             costs = keeps.sum(2).T + torch.ceil(growth * new).long()  # (S, M)
             allowed = int(self.budget * (prompt.prompt_len + new).sum())
-            self.choice = fit_budget(self.recovery, costs, allowed)
+            self.choice = fit_budget(recovery, costs, allowed)
         else:
-            self.choice = choose(self.recovery, self.threshold)
+            self.choice = choose(recovery, self.threshold)
         self.compress(prompt, keeps, growth, k, v)
-        G = q.shape[1] // K
-        self.masked = B * K * G * self.k.shape[0] * self.page <= MASKED_SCORES
-        self.profile_s = _clock(q.device) - t0
-        return causal_attention(q, k, v)
+        self.masked = B * K * self.heads_per_kv * self.k.shape[0] * self.page <= MASKED_SCORES
 
     def compress(self, prompt: Slots, keeps, growth, k, v):
         """Build the pool from what each segment's policy keeps of its prompt.
@@ -456,6 +480,71 @@ class FastGenCache(nn.Module):
         return [self.policies[i] for i in self.choice.tolist()]
 
 
+class Pending:
+    """The layers of a model whose prompts are profiled and wait to be
+    compressed: they choose their policies together (`decide`), once the last
+    layer is profiled or once the prompt keys and values they hold would pass
+    HELD_BYTES. Chosen a layer at a time, the ranking of the menu, the
+    recoveries and the choice were a few hundred small operations per layer,
+    as much as the profiling's attention itself at a 512-token prompt."""
+
+    def __init__(self, layers: int, max_bytes: int = HELD_BYTES):
+        self.layers, self.max_bytes = layers, max_bytes
+        self.waiting: list[FastGenCache] = []
+        self.profiled = 0
+
+    def add(self, cache: FastGenCache):
+        self.waiting.append(cache)
+        self.profiled += 1
+        held = sum(t.nbytes for c in self.waiting for t in c.held[:3])
+        if self.profiled >= self.layers or held + held // len(self.waiting) > self.max_bytes:
+            self.flush()
+
+    def flush(self):
+        """Decide for every layer waiting, now."""
+        if self.waiting:
+            decide(self.waiting)
+            self.waiting = []
+
+
+def decide(caches: list[FastGenCache]):
+    """Profile, choose and compress for several layers' prompts at once: the
+    layers stacked as one batch of sequences, profiled, ranked and scored by
+    every policy together; each layer then chooses (under its own threshold or
+    budget) and builds its pool. The layers must share their policies and the
+    rows profiling reads (`fastgen_caches` makes them so)."""
+    t0 = _clock(caches[0].prompt_lens.device)
+    first = caches[0]
+    if any((c.policies, c.rows, c.sink) != (first.policies, first.rows, first.sink)
+           for c in caches):
+        raise ValueError("decide: the layers' caches must share their policies, rows and sink")
+    prof = profile_layers(caches)
+    tokens, K = first.held[3], first.held[1].shape[1]
+    prompt = first.prompt_slots(prof, tokens, K, layers=len(caches))
+    prompt.keeps_all(first.policies)
+    recovery = recoveries(first.policies, prompt, prof, first.sink)  # (L * S, M)
+    keeps = torch.stack([prompt.keeps(p) for p in first.policies])  # (M, L * S, T)
+    growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
+    S = len(recovery) // len(caches)
+    for i, c in enumerate(caches):
+        rows = slice(i * S, (i + 1) * S)
+        _, k, v, _ = c.held
+        c.decide(prompt[rows], keeps[:, rows], growth[rows], recovery[rows], k, v)
+        c.held = None
+    spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
+    for c in caches:
+        c.profile_s += spent
+
+
+def profile_layers(caches: list[FastGenCache]) -> Profile:
+    """Profiling's sums for the layers waiting in `decide`: the layers as one
+    batch of L * B sequences, one pass for all."""
+    first = caches[0]
+    q, k = (torch.cat([c.held[i] for c in caches]) for i in (0, 1))
+    lens = first.prompt_lens.repeat(len(caches))
+    return attention_sums(q, k, lens, local_ratios(first.policies), first.rows)
+
+
 def reserve(caches: list[nn.Module]):
     """Before every decode step, outside compiled code, for every layer's cache:
     evict when due (all the layers due at once: `evict`), hand out free slots
@@ -576,5 +665,6 @@ def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **
     if token_flags is None:  # no tokenizer at hand: Special then keeps only the first token
         token_flags = torch.zeros(model.args.vocab_size, dtype=torch.uint8)
     flags = token_flags.to(device)
-    return [FastGenCache(policies, lens, max_new_tokens, model.args.n_kv_heads, flags, **options)
-            for _ in model.layers]
+    pending = Pending(len(model.layers))
+    return [FastGenCache(policies, lens, max_new_tokens, model.args.n_kv_heads, flags,
+                         pending=pending, **options) for _ in model.layers]

@@ -51,8 +51,9 @@ from tqdm import tqdm
 import cache as fastgen_cache
 import generate
 import model as model_module
+from cache import profile_layers
 from model import causal_attention
-from profiling import attention_sums
+from profiling import local_ratios
 
 BASELINES = ("local", "sink", "h2o", "tova", "snapkv")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -133,14 +134,16 @@ def from_record(recorders):
     (tests/test_evaluate.py compares the logits with `generate.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
-    def sums(q, k, lens, ratios=(), rows=None):
-        memo, key = by_key[id(k)].sums, (tuple(ratios), rows)
+    def sums(caches):
+        layers = tuple(id(c.held[1]) for c in caches)  # the recorded keys, held as given
+        memo = by_key[layers[0]].sums
+        key = (layers, tuple(local_ratios(caches[0].policies)), caches[0].rows)
         if key not in memo:
-            memo[key] = attention_sums(q, k, lens, ratios, rows)
+            memo[key] = profile_layers(caches)
         return memo[key]
 
     skip = lambda q, k, v: None  # noqa: E731
-    with mock.patch.object(fastgen_cache, "attention_sums", sums), \
+    with mock.patch.object(fastgen_cache, "profile_layers", sums), \
             mock.patch.object(fastgen_cache, "causal_attention", skip), \
             mock.patch.object(model_module, "causal_attention", skip):
         yield

@@ -43,18 +43,23 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    chunk_bytes: int = CHUNK_BYTES) -> Profile:
     """Column sums of the prompt's causal attention per KV head.
 
-    q: (B, H, T, D), k: (B, K, T, D), lens: (B,) prompt lengths (rows at or past
-    a sequence's length are padding and ignored); ratios: the Local ratios whose
+    q: (B, H, T', D), the queries of the last T' rows (T' <= T: at least the
+    rows read), k: (B, K, T, D), lens: (B,) prompt lengths (rows at or past a
+    sequence's length are padding and ignored); ratios: the Local ratios whose
     band sums to take; rows: read the last `rows` rows of each prompt (None: all).
     Sums are float32, averaged over the G query heads of each KV head; the
     Profile's tensors are flattened to segments, (B * K, ...).
     """
-    B, H, T, D = q.shape
-    K = k.shape[1]
+    B, K, T, D = k.shape
+    H = q.shape[1]
     G = H // K
     kt = k.float().transpose(-1, -2)  # (B, K, D, T): the G query heads of a KV head share it
-    qg = q.view(B, K, G, T, D)
+    qg = q.view(B, K, G, -1, D)
+    offset = T - q.shape[2]  # the row of q's first query
     first = lens - (lens if rows is None else lens.clamp(max=rows))  # (B,) first row read
+    start = int(first.min())
+    if start < offset:
+        raise ValueError(f"attention_sums: row {start} is read, but q starts at row {offset}")
     windows = shares(ratios, lens)  # (R, B)
     colsum = q.new_zeros(B, K, T, dtype=torch.float32)
     bands = q.new_zeros(len(ratios), B, K, T, dtype=torch.float32)
@@ -63,10 +68,10 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
     if ratios:  # a chunk's band strip reads c * R * c of its c * T scores per head
         rows_per_chunk = min(rows_per_chunk, max(32, T // (2 * len(ratios))))
-    for i0 in range(int(first.min()), T, rows_per_chunk):
+    for i0 in range(start, T, rows_per_chunk):
         r = cols[i0:i0 + rows_per_chunk]
         c = len(r)
-        scores = (qg[:, :, :, r].float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
+        scores = (qg[:, :, :, r - offset].float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
         # These (B, K, G, c, T) scores are the cost of profiling: every pass over
         # them is in place, and the chunk's rows are summed by one product.
         e = scores.view(B, K, G, c, T)

@@ -328,6 +328,8 @@ class CheckedCache(nn.Module):
             before = State(self.cache)
             assert all(before.dest_ok), "reserve pointed a segment at a slot not free or not its own"
         y = self.cache(q, k, v, input_pos, tokens)
+        if prefill:
+            self.cache.pending.flush()  # this layer's choice now, not with the others'
         state = State(self.cache)
         if prefill:
             self.ref.evict_every = self.cache.evict_every  # the default is set at prefill

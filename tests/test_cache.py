@@ -247,6 +247,54 @@ def test_layers_reserve_together_as_each_alone(evict_every):
     model.setup_caches(None)
 
 
+@pytest.mark.parametrize("policies, options", [
+    (menu(), dict(budget=0.5, rows=5)),
+    (shortlist(0.3, 0.3), dict(threshold=0.8)),  # the paper's: every row read
+])
+@pytest.mark.parametrize("held", ["each alone", "two by two", "all at once"])
+@torch.no_grad()
+def test_layers_decide_together_as_each_alone(policies, options, held, monkeypatch):
+    """Layers that wait for each other (`Pending`) are profiled, ranked and
+    scored as one batch: each layer gets the same recoveries, choice and pool
+    as when it decides alone, and the model the same outputs."""
+    model = tiny_model(n_layers=4)
+    lens, max_new = [30, 21], 12
+    prompts = prompts_of(lens, seed=7)
+    flags = random_flags(256, 3)
+    sizes = []
+    monkeypatch.setattr(cache, "decide", lambda cs, decide=cache.decide: (
+        sizes.append(len(cs)), decide(cs))[1])
+
+    def run(held):
+        caches = fastgen_caches(model, policies, lens, max_new, flags, **options)
+        if held == "each alone":
+            for c in caches:
+                c.pending = cache.Pending(1)
+        elif held == "two by two":  # room for two layers' queries, keys and values, not three
+            a, B, T = model.args, len(lens), max(lens)
+            layer = B * a.head_dim * 4 * (2 * T * a.n_kv_heads
+                                          + (T - caches[0].first_row) * a.n_heads)
+            pending = cache.Pending(len(caches), max_bytes=layer * 5 // 2)
+            for c in caches:
+                c.pending = pending
+        sizes.clear()
+        return caches, greedy(model, prompts, caches, max_new), list(sizes)
+
+    alone, logits, decided = run("each alone")
+    assert decided == [1, 1, 1, 1]
+    caches, got, decided = run(held)
+    assert decided == {"each alone": [1, 1, 1, 1], "two by two": [2, 2],
+                       "all at once": [4]}[held]
+    assert len({repr(p) for c in alone for p in c.plan()}) > 1  # the heads differ
+    for a, b in zip(alone, caches):
+        assert torch.equal(a.choice, b.choice)
+        torch.testing.assert_close(a.recovery, b.recovery, atol=1e-6, rtol=0)
+        for name in (*a.fields, "owner"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    torch.testing.assert_close(got, logits, atol=1e-5, rtol=0)
+    model.setup_caches(None)
+
+
 # --- Full() is the dense cache ----------------------------------------------
 
 def test_full_everywhere_matches_the_dense_cache():
