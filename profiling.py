@@ -79,15 +79,15 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
         e = e.sub_(e.amax(-1, keepdim=True)).exp_()
         # A row's weight: one over its softmax sum where read, zero where not.
         read = (r >= first[:, None]) & (r < lens[:, None])  # (B, c)
-        w = read[:, None, None] / e.sum(-1)  # (B, K, G, c)
-        chunk = (w.view(B, K, 1, G * c) @ e.view(B, K, G * c, T)).view(B, K, T)
+        p = e.mul_(read[:, None, None, :, None] / e.sum(-1, keepdim=True))  # probabilities
+        rows_sum = p.sum(2)  # (B, K, c, T): summed over the G heads
+        chunk = rows_sum.sum(2)  # (B, K, T)
         colsum += chunk
         # The last row alone, in whichever chunk holds it: what TOVA ranks the prompt by.
         row = lens - 1 - i0  # (B,) the last row's place in this chunk
         here = (row >= 0) & (row < c)
-        row = row.clamp(0, c - 1)
-        at_last = e[batch, :, :, row] * w[batch, :, :, row, None]  # (B, K, G, T)
-        last = torch.where(here[:, None, None], at_last.mean(2), last)
+        at_last = rows_sum[batch, :, row.clamp(0, c - 1)]  # (B, K, T)
+        last = torch.where(here[:, None, None], at_last, last)
         if ratios:
             # Token j's band (rows j .. j + W - 1) takes this chunk's whole column
             # when it ends at or past the chunk's last row (j >= i0 + c - W), and
@@ -95,16 +95,15 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
             # j = i0 - W + 1 + t, whose band takes the chunk's rows up to i0 + t.
             bands += chunk * (cols >= i0 + c - windows[..., None])[:, :, None]  # (R, B, K, T)
             strip = i0 - windows[..., None] + 1 + cols[:c - 1]  # (R, B, c - 1)
-            at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, 1, -1)
-            got = e.gather(4, at.expand(B, K, G, c, -1)).view(B, K, G, c, len(ratios), c - 1)
+            at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, -1)
+            got = rows_sum.gather(3, at.expand(B, K, c, -1)).view(B, K, c, len(ratios), c - 1)
             upto = cols[:c, None] <= cols[:c - 1]  # (c, c - 1): row i counts for token t
-            weight = w[..., None, None] * upto[:, None]  # (B, K, G, c, 1, c - 1)
-            part = (got * weight).sum((2, 3)).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
+            part = (got * upto[:, None]).sum(2).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
             part = part * (strip >= 0)[:, :, None]
             bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
     bands = (bands / G).view(len(ratios), B * K, T)
     return Profile((colsum / G).view(B * K, T), dict(zip(ratios, bands)),
-                   (lens - first).repeat_interleave(K).float(), last.view(B * K, T))
+                   (lens - first).repeat_interleave(K).float(), (last / G).view(B * K, T))
 
 
 def local_ratios(policies: list[Policy]) -> list[float]:
