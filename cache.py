@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from model import causal_attention
 from policies import Policy, Slots
-from profiling import Profile, attention_sums, choose, fit_budget, local_ratios, recoveries
+from profiling import Profile, attention_sums, choose, fit_budgets, local_ratios, recoveries
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, n segments in a group, T prompt tokens, N pages, P slots
@@ -82,17 +82,18 @@ class Group:
     """Segments of one layer that follow the same policy, stored as an (n, C)
     block of the pool: pages first .. first + n * pages, `pages` per segment."""
     policy: Policy
-    seg: torch.Tensor  # (n,) segment ids
+    rows: list[int]  # the n segment ids
     growth: float  # the largest share of new tokens a segment's policy holds (Policy.growth)
     first: int = 0
     pages: int = 1
 
-    def __post_init__(self):
-        self.rows = self.seg.tolist()  # the segment ids on the host, for bookkeeping
+    @property
+    def seg(self) -> torch.Tensor:
+        return torch.tensor(self.rows)
 
     def block(self, t: torch.Tensor) -> torch.Tensor:
         """The group's part of a pool tensor (N, P, ...) as (n, C, ...): a view."""
-        n = len(self.seg)
+        n = len(self.rows)
         part = t[self.first:self.first + n * self.pages]
         return part.reshape(n, self.pages * part.shape[1], *part.shape[2:])
 
@@ -251,28 +252,11 @@ class FastGenCache(nn.Module):
         self.pending.add(self)
         return causal_attention(q, k, v)
 
-    def decide(self, prompt: Slots, keeps, growth, recovery, k, v):
-        """Choose each segment's policy from the recovery (S, M) of every policy
-        on its prompt, then compress. keeps: (M, S, T); growth: (S, M)."""
-        B, K, T, D = k.shape
-        self.recovery = recovery
-        if len(self.policies) == 1:
-            self.choice = torch.zeros(B * K, dtype=torch.long, device=k.device)
-        elif self.budget is not None:
-            # A head's cost: the prompt tokens it keeps and what it will keep of
-            # the new ones; the budget: a share of what a full cache would hold.
-            new = self.max_new_tokens - 1
-            costs = keeps.sum(2).T + torch.ceil(growth * new).long()  # (S, M)
-            allowed = int(self.budget * (prompt.prompt_len + new).sum())
-            self.choice = fit_budget(recovery, costs, allowed)
-        else:
-            self.choice = choose(recovery, self.threshold)
-        self.compress(prompt, keeps, growth, k, v)
-        self.masked = B * K * self.heads_per_kv * self.k.shape[0] * self.page <= MASKED_SCORES
-
-    def compress(self, prompt: Slots, keeps, growth, k, v):
+    def compress(self, prompt: Slots, keep, choice: list[int], kept: list[int],
+                 growth: list[float], k, v):
         """Build the pool from what each segment's policy keeps of its prompt.
-        keeps: (M, S, T) each policy's keep; growth: (S, M) its `growth`; k, v:
+        keep: (S, T) what the segment's chosen policy keeps, and on the host:
+        its policy, how many tokens that is, the policy's `growth`; k, v:
         (B, K, T, D) the prompt's keys and values."""
         B, K, T, D = k.shape
         S = B * K
@@ -282,23 +266,20 @@ class FastGenCache(nn.Module):
         if self.evict_every is None:
             self.evict_every = max(EVICT_EVERY, P // 2)
         room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
-        chosen = self.choice.unique().tolist()
+        chosen = sorted(set(choice))
         # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
         self.fields = {n: e for n, e in SLOT_FIELDS.items()
                        if n != "last" or any(self.policies[i].reads_last for i in chosen)}
-        keep = keeps[self.choice, torch.arange(S, device=k.device)]  # (S, T)
-        kept = keep.sum(1)
         # Room from the start for what the budget charged each policy for the new
         # tokens after the first round (a quarter of the width at most, as `refill`
         # grows): a group of heads that keep them all never grows.
         new = max(self.max_new_tokens - 1 - room, 0)
         self.groups = []
         for i in chosen:
-            seg = (self.choice == i).nonzero()[:, 0]
-            seg = seg[kept[seg].argsort(stable=True)]
-            sizes = kept[seg].tolist()
+            seg = sorted((s for s in range(S) if choice[s] == i), key=kept.__getitem__)
+            sizes = [kept[s] for s in seg]
             for g, pages in group_pages(sizes, room, P):
-                group = Group(self.policies[i], seg[g], float(growth[seg[g], i].max()))
+                group = Group(self.policies[i], seg[g], max(growth[s] for s in seg[g]))
                 planned = min(math.ceil(group.growth * new), pages * P // 4)
                 group.pages = -(-(sizes[g.stop - 1] + room + planned) // P)
                 self.groups.append(group)
@@ -310,13 +291,13 @@ class FastGenCache(nn.Module):
         self.cursor = 0
         # Each segment's policy if it may still evict, else -1.
         self.evicting = any(not self.policies[i].never_evicts for i in chosen)
-        never = torch.tensor([p.never_evicts for p in self.policies], device=k.device)
-        self.register_buffer("evicts_by", self.choice.masked_fill(never[self.choice], -1),
-                             persistent=False)
+        self.register_buffer("evicts_by", torch.tensor(
+            [-1 if self.policies[i].never_evicts else i for i in choice], device=k.device),
+            persistent=False)
         self._place()
         # Kept tokens first, in position order, in each segment's slots: slot
         # start + n of the segment holds its n-th kept token. One gather per field.
-        n_slots = sum(len(g.seg) * g.pages for g in self.groups) * P
+        n_slots = sum(len(g.rows) * g.pages for g in self.groups) * P
         token = torch.arange(S * T, device=k.device).view(S, T)
         source = torch.full((n_slots,), -1, dtype=torch.long, device=k.device)
         source[(self.start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
@@ -342,20 +323,17 @@ class FastGenCache(nn.Module):
     def _place(self):
         """Page offsets of the groups, the owner of every page and each segment's
         slots, after a change."""
-        first = 0
+        first, owner, S = 0, [], len(self.dest)
+        # Each segment's first slot (its slots run on from there, one group row) and their number.
+        start, width = [0] * S, [0] * S
         for g in self.groups:
             g.first = first
-            first += len(g.seg) * g.pages
-        owner = torch.cat([g.seg.repeat_interleave(g.pages) for g in self.groups])
-        self.register_buffer("owner", owner, persistent=False)
-        # Each segment's first slot: its slots run on from there, one group row.
-        start, width = torch.empty_like(self.dest), torch.empty_like(self.dest)
-        for g in self.groups:
-            start[g.seg] = (g.first + g.pages * torch.arange(len(g.seg), device=start.device)) * \
-                self.page
-            width[g.seg] = g.pages * self.page
-        self.register_buffer("start", start, persistent=False)
-        self.register_buffer("width", width, persistent=False)
+            for j, s in enumerate(g.rows):
+                start[s], width[s] = (first + g.pages * j) * self.page, g.pages * self.page
+                owner += [s] * g.pages
+            first += len(g.rows) * g.pages
+        for name, t in dict(owner=owner, start=start, width=width).items():
+            self.register_buffer(name, torch.tensor(t, device=self.dest.device), persistent=False)
 
     def _mark_dynamic(self):
         """Compiled code sees the pool's page count as dynamic from the first step:
@@ -446,9 +424,9 @@ class FastGenCache(nn.Module):
         for i, g in enumerate(self.groups):
             extra = grow.get(i, 0)
             for name, empty in self.fields.items():
-                t = getattr(self, name)[g.first:g.first + len(g.seg) * g.pages]
-                t = t.reshape(len(g.seg), g.pages, *t.shape[1:])
-                pad = t.new_full((len(g.seg), extra, *t.shape[2:]), empty)
+                t = getattr(self, name)[g.first:g.first + len(g.rows) * g.pages]
+                t = t.reshape(len(g.rows), g.pages, *t.shape[1:])
+                pad = t.new_full((len(g.rows), extra, *t.shape[2:]), empty)
                 parts[name].append(torch.cat([t, pad], 1).flatten(0, 1))
             g.pages += extra
         for name, ts in parts.items():
@@ -515,9 +493,10 @@ def decide(caches: list[FastGenCache]):
     rows profiling reads (`fastgen_caches` makes them so)."""
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
-    if any((c.policies, c.rows, c.sink) != (first.policies, first.rows, first.sink)
-           for c in caches):
-        raise ValueError("decide: the layers' caches must share their policies, rows and sink")
+    shared = lambda c: (c.policies, c.rows, c.sink, c.max_new_tokens)  # noqa: E731
+    if any(shared(c) != shared(first) for c in caches):
+        raise ValueError("decide: the layers' caches must share their policies, profiling "
+                         "options and max_new_tokens")
     prof = profile_layers(caches)
     tokens, K = first.held[3], first.held[1].shape[1]
     prompt = first.prompt_slots(prof, tokens, K, layers=len(caches))
@@ -525,11 +504,36 @@ def decide(caches: list[FastGenCache]):
     recovery = recoveries(first.policies, prompt, prof, first.sink)  # (L * S, M)
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])  # (M, L * S, T)
     growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
-    S = len(recovery) // len(caches)
-    for i, c in enumerate(caches):
-        rows = slice(i * S, (i + 1) * S)
+    L, M = len(caches), len(first.policies)
+    S = len(recovery) // L
+    layers = [slice(i * S, (i + 1) * S) for i in range(L)]
+    for c, rows in zip(caches, layers):
+        c.recovery = recovery[rows]
+        if M == 1:
+            c.choice = torch.zeros(S, dtype=torch.long, device=recovery.device)
+        elif c.budget is None:
+            c.choice = choose(c.recovery, c.threshold)
+    budgeted = [i for i, c in enumerate(caches) if c.budget is not None and M > 1]
+    if budgeted:
+        # A head's cost: the prompt tokens it keeps and what it will keep of the
+        # new ones; a layer's budget: a share of what a full cache would hold.
+        new = first.max_new_tokens - 1
+        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()).view(L, S, M)
+        full = (prompt.prompt_len[layers[0]] + new).sum()
+        allowed = [int(caches[i].budget * full) for i in budgeted]
+        picks = fit_budgets(recovery.view(L, S, M)[budgeted], costs[budgeted], allowed)
+        for i, pick in zip(budgeted, picks):
+            caches[i].choice = pick
+    # What each segment keeps, and on the host (one sync) what the pools are built by.
+    choice = torch.cat([c.choice for c in caches])
+    every = torch.arange(len(choice), device=choice.device)
+    keep = keeps[choice, every]  # (L * S, T)
+    choices, kept = torch.stack([choice, keep.sum(1)]).tolist()
+    grown = growth[every, choice].tolist()
+    for c, rows in zip(caches, layers):
         _, k, v, _ = c.held
-        c.decide(prompt[rows], keeps[:, rows], growth[rows], recovery[rows], k, v)
+        c.compress(prompt[rows], keep[rows], choices[rows], kept[rows], grown[rows], k, v)
+        c.masked = len(c.dest) * c.heads_per_kv * c.k.shape[0] * c.page <= MASKED_SCORES
         c.held = None
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:

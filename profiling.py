@@ -168,33 +168,48 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
     `resolution` tokens; above, costs are counted in units of
     ceil(budget / resolution) tokens, rounded up, so the choice stays within
     the budget. When even the cheapest items do not fit, the cheapest."""
-    S, M = values.shape
-    if int(costs.min(1).values.sum()) > budget:
-        return costs.argmin(1)
-    device, unit = costs.device, -(-budget // resolution)
-    costs, budget = -(-costs.cpu() // unit), budget // unit
-    values = values.cpu().double()
-    # best[j]: the best value costing at most j, after `pad` entries of -inf for
-    # j < 0; the row of `shifted` that starts at pad - c is best[j - c] for every j.
-    pad = int(costs.max())
-    best = torch.cat([torch.full((pad,), -math.inf, dtype=torch.float64),
-                      torch.zeros(budget + 1, dtype=torch.float64)])
-    shifted = best.unfold(0, budget + 1, 1)  # (pad + 1, budget + 1), a view
+    return fit_budgets(values[None], costs[None], [budget], resolution)[0]
+
+
+def fit_budgets(values: torch.Tensor, costs: torch.Tensor, budgets: list[int],
+                resolution: int = 4096) -> torch.Tensor:
+    """`fit_budget` for L layers at once, each under its own budget: values
+    and costs (L, S, M); returns (L, S). The dynamic programs of the layers
+    run side by side, a segment at a time."""
+    L, S, M = values.shape
+    device = costs.device
+    costs, values = costs.cpu(), values.cpu().double()
+    cheapest = costs.argmin(2)  # where even the cheapest items do not fit
+    over = costs.min(2).values.sum(1) > torch.tensor(budgets)
+    units = [-(-b // resolution) if b > 0 else 1 for b in budgets]
+    costs = -(-costs // torch.tensor(units)[:, None, None])
+    left = torch.tensor([b // u for b, u in zip(budgets, units)])
+    # best[l, j]: layer l's best value costing at most j, after `pad` entries of
+    # -inf for j < 0; row pad - c of `shifted[l]` is best[l, j - c] for every j.
+    pad, width = int(costs.max()), int(left.max()) + 1
+    best = torch.cat([torch.full((L, pad), -math.inf, dtype=torch.float64),
+                      torch.zeros(L, width, dtype=torch.float64)], 1)
+    shifted = best.unfold(1, width, 1)  # (L, pad + 1, width), a view
     # An item that another beats (no dearer, no worse, better in one) is never
-    # needed: each segment's DP reads only the others, in menu order.
-    c, v = costs[:, :, None], values[:, :, None]  # item m against item m' (last dim)
-    ct, vt = costs[:, None], values[:, None]
-    beaten = ((ct <= c) & (vt >= v) & ((ct < c) | (vt > v))).any(2)  # (S, M)
-    items = [torch.arange(M)[~b] for b in beaten]
+    # needed: each segment's program reads only the others, in menu order,
+    # padded to the most any segment keeps with items worth -inf.
+    c, v = costs[..., :, None], values[..., :, None]  # item m against item m' (last dim)
+    ct, vt = costs[..., None, :], values[..., None, :]
+    beaten = ((ct <= c) & (vt >= v) & ((ct < c) | (vt > v))).any(3)  # (L, S, M)
+    n = int((~beaten).sum(2).max())
+    items = beaten.int().argsort(dim=2, stable=True)[..., :n]  # (L, S, n)
+    item_costs = costs.gather(2, items)
+    item_values = values.gather(2, items).masked_fill_(beaten.gather(2, items), -math.inf)
+    layer = torch.arange(L)
     picks = []
     for s in range(S):
-        options = shifted[pad - costs[s, items[s]]] + values[s, items[s], None]
-        top, pick = options.max(0)
-        best[pad:] = top
+        options = shifted[layer[:, None], pad - item_costs[:, s]] + item_values[:, s, :, None]
+        top, pick = options.max(1)  # (L, width)
+        best[:, pad:] = top
         picks.append(pick)
-    choice, left = [], budget
+    choice = torch.empty(L, S, dtype=torch.long)
     for s in reversed(range(S)):
-        m = int(items[s][picks[s][left]])
-        choice.append(m)
-        left -= int(costs[s][m])
-    return torch.tensor(choice[::-1], device=device)
+        m = items[layer, s, picks[s][layer, left]]
+        choice[:, s] = m
+        left = (left - costs[layer, s, m]).clamp(min=0)  # below 0 only where nothing fits
+    return torch.where(over[:, None], cheapest, choice).to(device)
