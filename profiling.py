@@ -28,6 +28,10 @@ from policies import Local, Policy, Slots, Union, shares
 
 # Bytes of attention probabilities materialised at once while profiling.
 CHUNK_BYTES = 64 << 20
+# Query rows a chunk holds at most when Local bands are summed: a chunk's band
+# strip gathers c * R * c of its probabilities per head, which costs more per
+# value than its other passes, so long chunks paid for the strip quadratically.
+BAND_ROWS = 128
 
 
 @dataclass
@@ -67,7 +71,7 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     cols, batch = torch.arange(T, device=q.device), torch.arange(B, device=q.device)
     rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
     if ratios:  # a chunk's band strip reads c * R * c of its c * T scores per head
-        rows_per_chunk = min(rows_per_chunk, max(32, T // (2 * len(ratios))))
+        rows_per_chunk = min(rows_per_chunk, max(32, min(BAND_ROWS, T // (2 * len(ratios)))))
     for i0 in range(start, T, rows_per_chunk):
         r = cols[i0:i0 + rows_per_chunk]
         c = len(r)
