@@ -3,7 +3,8 @@
 A cache *segment* is one (sequence, KV head) pair; a layer of batch B with K
 KV heads has B*K of them. At the end of prefill each segment gets a policy
 (by profiling, or a fixed one for the baselines) and keeps only the prompt
-tokens that policy keeps.
+tokens that policy keeps; a few layers at a time decide together (`Pending`,
+`decide`), their segments profiled, ranked and scored as one batch.
 
 Storage is one pool of pages per layer: N pages of P slots, V as (N, P, D)
 and K transposed, (N, D, P), so that scoring a page is a plain (G, D) x (D, P)
@@ -67,11 +68,12 @@ SPREAD = 1.05
 # SmolLM2. Compiled, where the pages' softmax fuses, every layer attends with
 # `paged_attention`: it was the faster at every size measured.
 MASKED_SCORES = 1 << 15
-# Prompt keys and values that layers waiting to be compressed together may
-# hold (`Pending`), besides one layer's: every layer of a 512-token prompt at
-# batch 1, two to three at 2k x 8; below what the prefill's own activations
-# take at the sizes where it binds.
-HELD_BYTES = 64 << 20
+# Prompt keys, values and profiled queries that layers waiting to decide
+# together may hold (`Pending`), besides one layer's: about 19 layers of a
+# 512-token prompt at batch 1, 5 at 2k, 2 at 4k; one at a time from 2k x 4 up,
+# where a layer's own operations outweigh their fixed cost. More held no
+# faster and raised the prefill's peak memory.
+HELD_BYTES = 16 << 20
 
 # The pool's per-slot tensors and what an empty slot holds.
 SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
@@ -459,12 +461,12 @@ class FastGenCache(nn.Module):
 
 
 class Pending:
-    """The layers of a model whose prompts are profiled and wait to be
+    """The layers of a model whose prompts wait to be profiled and
     compressed: they choose their policies together (`decide`), once the last
-    layer is profiled or once the prompt keys and values they hold would pass
-    HELD_BYTES. Chosen a layer at a time, the ranking of the menu, the
-    recoveries and the choice were a few hundred small operations per layer,
-    as much as the profiling's attention itself at a 512-token prompt."""
+    layer has come or once what they hold would pass `max_bytes`. Choosing
+    among a menu's policies is a few hundred small operations whatever the
+    number of segments: done a layer at a time, at short prompts, they cost
+    as much as the profiling's arithmetic."""
 
     def __init__(self, layers: int, max_bytes: int = HELD_BYTES):
         self.layers, self.max_bytes = layers, max_bytes
@@ -475,6 +477,7 @@ class Pending:
         self.waiting.append(cache)
         self.profiled += 1
         held = sum(t.nbytes for c in self.waiting for t in c.held[:3])
+        # Decide now if one more layer like these would pass the limit.
         if self.profiled >= self.layers or held + held // len(self.waiting) > self.max_bytes:
             self.flush()
 
