@@ -77,7 +77,8 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
         c = len(r)
         scores = (qg[:, :, :, r - offset].float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
         # These (B, K, G, c, T) scores are the cost of profiling: every pass over
-        # them is in place, and the chunk's rows are summed by one product.
+        # them is in place, and the G heads are summed first; the column sums,
+        # the last row and the band strip read those (B, K, c, T) sums.
         e = scores.view(B, K, G, c, T)
         e[..., i0 + 1:].masked_fill_(cols[i0 + 1:] > r[:, None], -float("inf"))  # causal
         e = e.sub_(e.amax(-1, keepdim=True)).exp_()
