@@ -225,29 +225,29 @@ class FastGenCache(nn.Module):
         """The prompt's slots, (S, T), scored by the attention of the rows read,
         and the recovery of every policy, (S, n_policies)."""
         prof = attention_sums(q, k, self.prompt_lens, local_ratios(self.policies), rows)
-        prompt = self.prompt_slots(prof, tokens, k.shape[1])
-        prompt.keeps_all(self.policies)
-        return prompt, recoveries(self.policies, prompt, prof, sink)
+        return self.from_sums(prof, tokens, sink)
 
-    def prompt_slots(self, prof: Profile, tokens, n_kv_heads: int, layers: int = 1) -> Slots:
-        """The prompt's slots as profiling scored them, (S, T), for `layers`
-        layers' profiles stacked, (layers * S, T)."""
+    def from_sums(self, prof: Profile, tokens, sink: bool,
+                  layers: int = 1) -> tuple[Slots, torch.Tensor]:
+        """`profile` from profiling's sums, for `layers` layers' sums stacked:
+        slots (layers * S, T) and recoveries (layers * S, n_policies)."""
         lens = self.prompt_lens
         T = tokens.shape[1]
-        per_seg = lambda t: t.repeat_interleave(n_kv_heads, dim=0).repeat(  # noqa: E731
+        per_seg = lambda t: t.repeat_interleave(self.n_kv_heads, dim=0).repeat(  # noqa: E731
             layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * S, ...)
         positions = torch.arange(T, device=lens.device)
-        return Slots(
+        prompt = Slots(
             pos=per_seg(torch.where(positions < lens[:, None], positions, -1)),
             score=prof.colsum, flags=per_seg(self.token_flags[tokens]),
             seen=per_seg(lens[:, None]), prompt_len=per_seg(lens[:, None]),
             first_query=per_seg(lens[:, None]) - prof.rows.long()[:, None], last=prof.last)
+        prompt.keeps_all(self.policies)
+        return prompt, recoveries(self.policies, prompt, prof, sink)
 
     def prefill(self, q, k, v, tokens):
         """Profile the prompt; the choice of policies and the compression wait
         for the other layers' (`Pending`), at most until the model's last layer."""
         t0 = _clock(q.device)
-        self.heads_per_kv = q.shape[1] // k.shape[1]
         # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
         self.profile_s = _clock(q.device) - t0
@@ -500,11 +500,8 @@ def decide(caches: list[FastGenCache]):
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
-    prof = profile_layers(caches)
-    tokens, K = first.held[3], first.held[1].shape[1]
-    prompt = first.prompt_slots(prof, tokens, K, layers=len(caches))
-    prompt.keeps_all(first.policies)
-    recovery = recoveries(first.policies, prompt, prof, first.sink)  # (L * S, M)
+    prompt, recovery = first.from_sums(profile_layers(caches), first.held[3], first.sink,
+                                       layers=len(caches))  # (L * S, T), (L * S, M)
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])  # (M, L * S, T)
     growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
     L, M = len(caches), len(first.policies)
@@ -534,9 +531,10 @@ def decide(caches: list[FastGenCache]):
     choices, kept = torch.stack([choice, keep.sum(1)]).tolist()
     grown = growth[every, choice].tolist()
     for c, rows in zip(caches, layers):
-        _, k, v, _ = c.held
+        q, k, v, _ = c.held
         c.compress(prompt[rows], keep[rows], choices[rows], kept[rows], grown[rows], k, v)
-        c.masked = len(c.dest) * c.heads_per_kv * c.k.shape[0] * c.page <= MASKED_SCORES
+        G = q.shape[1] // c.n_kv_heads
+        c.masked = len(c.dest) * G * c.k.shape[0] * c.page <= MASKED_SCORES
         c.held = None
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:
