@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import generate as gen_
-from cache import group_pages, page_size
+from cache import MASKED_SCORES, group_pages, page_size
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from profiling import choose
@@ -68,18 +68,24 @@ def derive(model, rec, kept, threshold, prompt_len):
     # cache.py's pool: K and V (D values each), pos int32, score float32, flags
     # uint8 per slot (no latest attention: no shortlist policy reads it); the
     # owner int64 per page; start, width, prompt_len, first_query, evicts_by and
-    # dest int64 per segment (and no free slots handed out yet).
-    per_slot = 2 * model.args.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
+    # dest int64 per segment (and no free slots handed out yet); a pool small
+    # enough for masked_attention also a bfloat16 per slot and segment (its bias).
+    a = model.args
+    per_slot = 2 * a.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
     choice = torch.stack([choose(r, threshold) for r in rec])  # (L, K)
     n_kept = kept.gather(2, choice[..., None])[..., 0]
     nbytes = 0
+    page = page_size(prompt_len)
     for l in range(rec.shape[0]):
+        slots = 0
         for p in choice[l].unique():
             # Heads of one policy holding about as much share a bucket as wide as the fullest.
             sizes = sorted(n_kept[l][choice[l] == p].tolist())
-            page = page_size(prompt_len)
             for g, pages in group_pages(sizes, 0, page):
                 nbytes += len(sizes[g]) * (pages * (page * per_slot + 8) + 48)
+                slots += len(sizes[g]) * pages * page
+        if a.n_heads * slots <= MASKED_SCORES:  # S * G = the query heads, at batch 1
+            nbytes += a.n_kv_heads * slots * 2
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 
 

@@ -66,7 +66,8 @@ SPREAD = 1.05
 # query against every slot of the pool) are at most this many floats, else with
 # `paged_attention`: batch 1 up to about 2k tokens and batch 2 at 512 on
 # SmolLM2. Compiled, where the pages' softmax fuses, every layer attends with
-# `paged_attention`: it was the faster at every size measured.
+# `paged_attention` (FastGenCache's `eager`): it was the faster at every size
+# measured.
 MASKED_SCORES = 1 << 15
 # Prompt keys, values and profiled queries that layers waiting to decide
 # together may hold (`Pending`), besides one layer's: about 19 layers of a
@@ -150,21 +151,35 @@ def paged_attention(q, k, v, empty, owner):
     return y.view(S, G, D).to(v.dtype), probs.mean(1)
 
 
-def masked_attention(q, k, v, empty, owner):
+def masked_attention(q, k, v, bias):
     """`paged_attention`, computed as one attention of every query over every
-    slot of the layer, masked to its own segment's: S times the arithmetic on
-    scores, in two matrix products instead of a softmax pieced together page by
-    page. Eager, the faster of the two while those scores are few
-    (MASKED_SCORES); compiled, the slower."""
+    slot of the layer, kept from the others' slots by `bias`: S times the
+    arithmetic on scores, in two plain matrix products instead of a softmax
+    pieced together page by page, which wins while those scores are few
+    (MASKED_SCORES).
+
+    q: (S, G, D); k: (D, M) and v: (M, D), the pool's M slots (K transposed as
+    a whole: a plain product, twice as fast as against (M, D)); bias: (S, 1, M),
+    0 on the slots segment s holds, -inf elsewhere (`slot_bias`). Returns the
+    output (S, G, D) and the attention each slot got, (M,) in float32,
+    averaged over the G query heads."""
     S, G, D = q.shape
-    N, P = empty.shape
-    others = owner != torch.arange(S, device=owner.device)[:, None]  # (S, N): not its pages
-    hidden = others[:, :, None] | empty  # (S, N, P)
-    scores = ((q.reshape(S * G, D) / math.sqrt(D)) @ k).transpose(0, 1)  # (S * G, N, P)
-    scores = scores.float().reshape(S, G, N * P).masked_fill_(hidden.view(S, 1, N * P), -math.inf)
-    probs = scores.softmax(-1)
-    y = probs.to(v.dtype).view(S * G, N * P) @ v.view(N * P, D)
-    return y.view(S, G, D), probs.sum((0, 1)).view(N, P) / G
+    scores = ((q / math.sqrt(D)).view(S * G, D) @ k).view(S, G, -1).float().add_(bias)
+    probs = scores.softmax(-1).view(S * G, -1)
+    y = probs.to(v.dtype) @ v
+    return y.view(S, G, D), probs.sum(0).div_(G)
+
+
+def slot_bias(empty, owner, S: int) -> torch.Tensor:
+    """`masked_attention`'s bias, (S, 1, N * P), from the slots that hold nothing,
+    empty: (N, P), and the segment of each page, owner: (N,). In bfloat16: it
+    holds only 0 and -inf, and added to float32 scores it runs about as fast as
+    a float32 bias (a masked_fill_ with a broadcast mask ran 6 to 20 times
+    slower)."""
+    mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
+    hidden = (~mine[:, :, None] | empty).view(S, 1, -1)
+    return torch.zeros(hidden.shape, dtype=torch.bfloat16, device=owner.device).masked_fill_(
+        hidden, -math.inf)
 
 
 def _clock(device) -> float:
@@ -185,19 +200,22 @@ class FastGenCache(nn.Module):
     leaves the first token's attention out of the recovery. Eviction runs every
     `evict_every` decode steps (None: half a page, at least EVICT_EVERY); pages
     hold `page` slots (None: by prompt length). Layers that share `pending`
-    choose their policies and compress together (`Pending`).
+    choose their policies and compress together (`Pending`). With `eager`, the
+    decode step runs eager, and a small pool is laid out for `masked_attention`
+    (MASKED_SCORES); otherwise every pool is paged (either decodes correctly
+    both ways).
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
-                 page: int | None = None, pending: Pending | None = None):
+                 page: int | None = None, pending: Pending | None = None, eager: bool = True):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
         self.policies = list(policies)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
-        self.evict_every, self.page = evict_every, page
+        self.evict_every, self.page, self.eager = evict_every, page, eager
         self.max_new_tokens = max_new_tokens
         self.n_kv_heads = n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
@@ -207,7 +225,7 @@ class FastGenCache(nn.Module):
         self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
         self.steps = 0  # decode steps reserved so far
         self.n_growths = 0
-        self.masked = False  # eager decode with masked_attention, decided at the end of prefill
+        self.masked = False  # attended by masked_attention (a small pool), decided by `compress`
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
@@ -255,11 +273,11 @@ class FastGenCache(nn.Module):
         return causal_attention(q, k, v)
 
     def compress(self, prompt: Slots, keep, choice: list[int], kept: list[int],
-                 growth: list[float], k, v):
+                 growth: list[float], k, v, G: int):
         """Build the pool from what each segment's policy keeps of its prompt.
         keep: (S, T) what the segment's chosen policy keeps, and on the host:
         its policy, how many tokens that is, the policy's `growth`; k, v:
-        (B, K, T, D) the prompt's keys and values."""
+        (B, K, T, D) the prompt's keys and values; G query heads per KV head."""
         B, K, T, D = k.shape
         S = B * K
         if self.page is None:
@@ -300,6 +318,8 @@ class FastGenCache(nn.Module):
         # Kept tokens first, in position order, in each segment's slots: slot
         # start + n of the segment holds its n-th kept token. One gather per field.
         n_slots = sum(len(g.rows) * g.pages for g in self.groups) * P
+        # A small pool is attended by `masked_attention` and keeps K as one (D, N * P).
+        self.masked = self.eager and S * G * n_slots <= MASKED_SCORES
         token = torch.arange(S * T, device=k.device).view(S, T)
         source = torch.full((n_slots,), -1, dtype=torch.long, device=k.device)
         source[(self.start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
@@ -315,11 +335,14 @@ class FastGenCache(nn.Module):
         for name, fill in self.fields.items():
             if name in ("k", "v"):
                 t = sources[name].masked_fill_(empty[:, None], fill).view(-1, P, D)
-                t = t.transpose(1, 2).contiguous() if name == "k" else t
+                if name == "k":
+                    t = t.view(-1, D).T if self.masked else t.transpose(1, 2)
+                    t = t.contiguous()
             else:
                 t = sources[name].view(S * T).index_select(0, source).masked_fill_(empty, fill)
                 t = t.view(-1, P)
             self.register_buffer(name, t, persistent=False)
+        self._hide()
         self._mark_dynamic()
 
     def _place(self):
@@ -337,11 +360,19 @@ class FastGenCache(nn.Module):
         for name, t in dict(owner=owner, start=start, width=width).items():
             self.register_buffer(name, torch.tensor(t, device=self.dest.device), persistent=False)
 
+    def _hide(self):
+        """`masked_attention`'s bias, after the slots or their owners changed."""
+        if self.masked:
+            self.register_buffer("bias", slot_bias(self.pos < 0, self.owner, len(self.dest)),
+                                 persistent=False)
+
     def _mark_dynamic(self):
         """Compiled code sees the pool's page count as dynamic from the first step:
         a growth, in whichever layer, then needs no new graph."""
         for name in (*self.fields, "owner"):
-            torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
+            torch._dynamo.maybe_mark_dynamic(getattr(self, name), int(self.masked and name == "k"))
+        if self.masked:
+            torch._dynamo.maybe_mark_dynamic(self.bias, 2)
 
     # --- Decode ------------------------------------------------------------------
 
@@ -354,16 +385,23 @@ class FastGenCache(nn.Module):
         pos = input_pos.expand(B, K).reshape(S)
         slot = self.dest
         P = self.page
-        # K's pages are (D, P): the new key's D values lie P apart. One flat
-        # index_copy_, which compiled ran faster than writing k[page, :, slot].
-        at = (slot // P * (D * P) + slot % P)[:, None] + P * torch.arange(D, device=slot.device)
-        self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
+        if self.masked:
+            self.k.index_copy_(1, slot, k.reshape(S, D).T)
+        else:
+            # K's pages are (D, P): the new key's D values lie P apart. One flat
+            # index_copy_, which compiled ran faster than writing k[page, :, slot].
+            at = (slot // P * (D * P) + slot % P)[:, None] + P * torch.arange(D, device=slot.device)
+            self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
         self.v.view(-1, D).index_copy_(0, slot, v.reshape(S, D))
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, self.token_flags[tokens].expand(B, K).reshape(S))
-        masked = self.masked and not torch.compiler.is_compiling()  # see MASKED_SCORES
-        attention = masked_attention if masked else paged_attention
-        y, last = attention(q.view(S, H // K, D), self.k, self.v, self.pos < 0, self.owner)
+        q = q.view(S, H // K, D)
+        if self.masked:
+            self.bias.view(S, -1).scatter_(1, slot[:, None], 0.0)  # the new token, seen
+            y, last = masked_attention(q, self.k, self.v.view(-1, D), self.bias)
+            last = last.view_as(self.score)
+        else:
+            y, last = paged_attention(q, self.k, self.v, self.pos < 0, self.owner)
         if "last" in self.fields:
             self.last.copy_(last)
         self.score += last
@@ -423,18 +461,24 @@ class FastGenCache(nn.Module):
     def widen(self, grow: dict[int, int]):
         """Add `grow[i]` empty pages to each segment of group i; the pool is rebuilt."""
         parts = {name: [] for name in self.fields}
+        D = self.v.shape[-1]
+        pages = {name: getattr(self, name) for name in self.fields}
+        if self.masked:
+            pages["k"] = self.k.T.view(-1, self.page, D)  # (N, P, D)
         for i, g in enumerate(self.groups):
             extra = grow.get(i, 0)
             for name, empty in self.fields.items():
-                t = getattr(self, name)[g.first:g.first + len(g.rows) * g.pages]
+                t = pages[name][g.first:g.first + len(g.rows) * g.pages]
                 t = t.reshape(len(g.rows), g.pages, *t.shape[1:])
                 pad = t.new_full((len(g.rows), extra, *t.shape[2:]), empty)
                 parts[name].append(torch.cat([t, pad], 1).flatten(0, 1))
             g.pages += extra
         for name, ts in parts.items():
-            setattr(self, name, torch.cat(ts))
+            t = torch.cat(ts)
+            setattr(self, name, t.view(-1, D).T.contiguous() if name == "k" and self.masked else t)
         self.n_growths += len(grow)
         self._place()
+        self._hide()
         self._mark_dynamic()
 
     # --- What the cache holds ------------------------------------------------------
@@ -446,7 +490,8 @@ class FastGenCache(nn.Module):
         """Bytes the cache really holds: K, V and every index and score tensor."""
         if self.groups is None:
             return 0
-        return sum(getattr(self, name).nbytes for name in (*self.fields, *self.STATE))
+        held = (*self.fields, *self.STATE, *(["bias"] if self.masked else []))
+        return sum(getattr(self, name).nbytes for name in held)
 
     def kept(self) -> int:
         return int((self.pos >= 0).sum()) if self.groups is not None else 0
@@ -532,9 +577,8 @@ def decide(caches: list[FastGenCache]):
     grown = growth[every, choice].tolist()
     for c, rows in zip(caches, layers):
         q, k, v, _ = c.held
-        c.compress(prompt[rows], keep[rows], choices[rows], kept[rows], grown[rows], k, v)
-        G = q.shape[1] // c.n_kv_heads
-        c.masked = len(c.dest) * G * c.k.shape[0] * c.page <= MASKED_SCORES
+        c.compress(prompt[rows], keep[rows], choices[rows], kept[rows], grown[rows], k, v,
+                   q.shape[1] // c.n_kv_heads)
         c.held = None
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:
@@ -661,6 +705,9 @@ def evict(caches: list[FastGenCache]):
     for name in ("pos", "score"):
         for c, t in zip(caches, flat[name].split(sizes)):
             getattr(c, name).view(-1).copy_(t)
+    for c in caches:
+        if c.masked:  # what was freed, hidden from every segment
+            c.bias.masked_fill_(c.pos.view(1, 1, -1) < 0, -math.inf)
 
 
 def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options):

@@ -143,7 +143,8 @@ class Chat:
         # The full cache starts empty (grown before each turn); a compressed one takes its room now.
         self.model.setup_caches(make_caches(self.model, self.kv, [first_len],
                                             1 - first_len if self.kv == "full" else room,
-                                            self.token_flags, **self.cache_options))
+                                            self.token_flags, compiled=self.compile,
+                                            **self.cache_options))
         # The full cache holds positions 0 .. context-1; a compressed one is built for
         # first_len + room - 1 tokens seen (FastGenCache's max_new_tokens counts the last
         # token, which is sampled and never fed).

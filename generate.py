@@ -135,7 +135,8 @@ def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
 
 def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tokens: int,
                 token_flags=None, recovery=None, r_local=0.3, r_frequent=0.3, kv_budget=None,
-                hh_score="mean", obs_window=32, sink_mass="count", paper=False, evict_every=None):
+                hh_score="mean", obs_window=32, sink_mass="count", paper=False, evict_every=None,
+                compiled=False):
     """One cache per layer: dense for `full`, compressed for the others.
 
     fastgen: with `recovery` T, the paper's shortlist under that threshold;
@@ -146,7 +147,8 @@ def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tok
     `hh_score`, `obs_window` (0: every row) and `sink_mass` choose. The fixed
     policies keep `kv_budget` (default 0.5) of the prompt. Compressed caches
     evict every `evict_every` steps (default: half a page of the pool, at least
-    cache.EVICT_EVERY = 8 tokens; 1 with `paper`).
+    cache.EVICT_EVERY = 8 tokens; 1 with `paper`). With `compiled`, the decode
+    step will be compiled, and every layer's pool is laid out for it.
     """
     a, w = model.args, model.tok_embeddings.weight
     if kv == "full":
@@ -156,7 +158,7 @@ def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tok
     if paper:
         hh_score, obs_window, sink_mass = "sum", 0, "count"
         evict_every = evict_every or 1
-    evict = dict(evict_every=evict_every)
+    evict = dict(evict_every=evict_every, eager=not compiled)
     options = dict(rows=obs_window or None, sink=sink_mass == "count", **evict)
     if kv == "fastgen" and (paper or recovery is not None):
         policies = shortlist(r_local, r_frequent, hh_score)
@@ -255,7 +257,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p, device=device)
     prompt_lens = torch.tensor(lens, device=device)
-    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags, **cache_options))
+    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags, compiled=compile,
+                                   **cache_options))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B

@@ -98,8 +98,7 @@ CASES = {
 @pytest.fixture(params=["paged", "masked"])
 def decode_attention(request, monkeypatch):
     """Decode with one of the cache's two attentions, whatever the batch."""
-    other = {"paged": "masked_attention", "masked": "paged_attention"}[request.param]
-    monkeypatch.setattr(cache, other, getattr(cache, f"{request.param}_attention"))
+    monkeypatch.setattr(cache, "MASKED_SCORES", {"paged": 0, "masked": 1 << 62}[request.param])
     return request.param
 
 
@@ -111,7 +110,9 @@ def test_masked_attention_equals_paged():
     held = torch.rand(N, P, generator=g) < 0.6
     held[:, 0] = True  # every segment holds something
     held[4] = False  # a page with nothing in it
-    y, last = cache.masked_attention(q, k, v, ~held, owner)
+    y, last = cache.masked_attention(q, k.transpose(0, 1).reshape(D, N * P), v.view(N * P, D),
+                                     cache.slot_bias(~held, owner, S))
+    last = last.view(N, P)
     y_ref, last_ref = cache.paged_attention(q, k, v, ~held, owner)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(last, last_ref)
@@ -334,6 +335,8 @@ def pool_bytes(cache):
     buffers = dict(cache.named_buffers())
     if not any(p.reads_last for p in cache.plan()):
         named.remove("last")  # kept only for a policy that reads it (TOVA)
+    if cache.masked:
+        named.add("bias")  # masked_attention's
     assert set(buffers) == named | {"prompt_lens", "token_flags"}  # the last two: inputs
     assert not list(cache.parameters())
     return sum(buffers[n].nbytes for n in named)
@@ -351,7 +354,8 @@ def test_reported_compression_is_what_the_tensors_hold():
         assert c.cache.kept() == sum(map(len, c.ref.kept.values()))
         assert c.cache.nbytes() == pool_bytes(c.cache)
         N, P, D = c.cache.v.shape
-        assert c.cache.k.shape == (N, D, P) and c.cache.owner.shape == (N,)
+        assert c.cache.k.shape == ((D, N * P) if c.cache.masked else (N, D, P))
+        assert c.cache.owner.shape == (N,)
         assert all(t.shape == (N, P) for t in (c.cache.pos, c.cache.score, c.cache.flags))
         # Each group's block is as wide as its fullest segment plus one round of new
         # tokens, rounded up to a page.
