@@ -101,6 +101,15 @@ class Group:
         return part.reshape(n, self.pages * part.shape[1], *part.shape[2:])
 
 
+@dataclass
+class Clock:
+    """Where a cache's decoding stands: a plain object, as an nn.Module's
+    attribute writes run through Python checks (about 4 us each, two a layer
+    each step in `reserve`)."""
+    steps: int = 0  # decode steps reserved so far
+    cursor: int = 0  # the column of `free` that the next step writes to
+
+
 def page_size(prompt_len: int) -> int:
     """About a 64th of the prompt, a power of two between MIN_PAGE and MAX_PAGE."""
     return min(MAX_PAGE, max(MIN_PAGE, 1 << max(0, prompt_len // 64 - 1).bit_length()))
@@ -223,7 +232,7 @@ class FastGenCache(nn.Module):
         self.groups: list[Group] | None = None
         self.choice = self.recovery = None  # the plan, (S,) and (S, len(policies))
         self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
-        self.steps = 0  # decode steps reserved so far
+        self.clock = Clock()
         self.n_growths = 0
         self.masked = False  # attended by masked_attention (a small pool), decided by `compress`
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
@@ -308,7 +317,6 @@ class FastGenCache(nn.Module):
         self.register_buffer("dest", torch.zeros(S, dtype=torch.long, device=k.device),
                              persistent=False)
         self.register_buffer("free", self.dest.new_zeros(S, 0), persistent=False)
-        self.cursor = 0
         # Each segment's policy if it may still evict, else -1.
         self.evicting = any(not self.policies[i].never_evicts for i in chosen)
         self.register_buffer("evicts_by", torch.tensor(
@@ -416,6 +424,11 @@ class FastGenCache(nn.Module):
         """(S,) tokens each segment's sequence has seen: its prompt and one per
         step reserved (between steps, every reserved step has run)."""
         return self.seg_prompt_len + self.steps
+
+    @property
+    def steps(self) -> int:
+        """Decode steps reserved so far."""
+        return self.clock.steps
 
     def slots(self, g: Group) -> Slots:
         """A group's slots as (n, C) views of the pool: writing to `pos` frees slots."""
@@ -603,12 +616,14 @@ def reserve(caches: list[nn.Module]):
     for c in caches:
         if not isinstance(c, FastGenCache):
             c.reserve()
-    evict([c for c in fastgen if c.steps % c.evict_every == 0 and c.steps])
-    refill([c for c in fastgen if c.steps % c.evict_every == 0 or c.cursor == c.free.shape[1]])
-    for c in fastgen:
-        c.dest.copy_(c.free[:, c.cursor])
-        c.cursor += 1
-        c.steps += 1
+    clocks = [c.clock for c in fastgen]
+    evict([c for c, t in zip(fastgen, clocks) if t.steps % c.evict_every == 0 and t.steps])
+    refill([c for c, t in zip(fastgen, clocks)
+            if t.steps % c.evict_every == 0 or t.cursor == c.free.shape[1]])
+    for c, t in zip(fastgen, clocks):
+        c.dest.copy_(c.free[:, t.cursor])
+        t.cursor += 1
+        t.steps += 1
 
 
 def pools(caches: list[FastGenCache]) -> tuple[list[int], list[int], torch.Tensor]:
@@ -648,7 +663,7 @@ def refill(caches: list[FastGenCache]):
         slots = torch.searchsorted(running, wanted)  # (sum of S, need)
         for c, part, offset in zip(layers, slots.split(segments), offsets):
             c.free = part - offset
-            c.cursor = 0
+            c.clock.cursor = 0
 
 
 def evict(caches: list[FastGenCache]):
