@@ -281,14 +281,13 @@ class FastGenCache(nn.Module):
         self.pending.add(self)
         return causal_attention(q, k, v)
 
-    def compress(self, prompt: Slots, keep, choice: list[int], kept: list[int],
-                 growth: list[float], k, v, G: int):
-        """Build the pool from what each segment's policy keeps of its prompt.
-        keep: (S, T) what the segment's chosen policy keeps, and on the host:
-        its policy, how many tokens that is, the policy's `growth`; k, v:
-        (B, K, T, D) the prompt's keys and values; G query heads per KV head."""
-        B, K, T, D = k.shape
-        S = B * K
+    def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
+             G: int) -> int:
+        """Lay out the pool for what each segment's policy keeps of its prompt
+        (`compress` fills it). prompt: the layer's (S, T) slots; on the host,
+        each segment's policy, how many tokens that is, the policy's `growth`;
+        G query heads per KV head. Returns the pool's number of slots."""
+        S, device = len(choice), prompt.pos.device
         if self.page is None:
             self.page = page_size(int(self.prompt_lens.max()))
         P = self.page
@@ -314,41 +313,34 @@ class FastGenCache(nn.Module):
                 self.groups.append(group)
         self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
         self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
-        self.register_buffer("dest", torch.zeros(S, dtype=torch.long, device=k.device),
+        self.register_buffer("dest", torch.zeros(S, dtype=torch.long, device=device),
                              persistent=False)
         self.register_buffer("free", self.dest.new_zeros(S, 0), persistent=False)
         # Each segment's policy if it may still evict, else -1.
         self.evicting = any(not self.policies[i].never_evicts for i in chosen)
         self.register_buffer("evicts_by", torch.tensor(
-            [-1 if self.policies[i].never_evicts else i for i in choice], device=k.device),
+            [-1 if self.policies[i].never_evicts else i for i in choice], device=device),
             persistent=False)
         self._place()
-        # Kept tokens first, in position order, in each segment's slots: slot
-        # start + n of the segment holds its n-th kept token. One gather per field.
         n_slots = sum(len(g.rows) * g.pages for g in self.groups) * P
         # A small pool is attended by `masked_attention` and keeps K as one (D, N * P).
         self.masked = self.eager and S * G * n_slots <= MASKED_SCORES
-        token = torch.arange(S * T, device=k.device).view(S, T)
-        source = torch.full((n_slots,), -1, dtype=torch.long, device=k.device)
-        source[(self.start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
-        empty = source < 0
-        source.clamp_(min=0)
-        # k and v are read as the model lays them out, (B, T, K, D), without a copy.
-        kv_row = torch.arange(B * T * K, device=k.device).view(B, T, K).transpose(1, 2)
-        kv_row = kv_row.reshape(S * T).index_select(0, source)
-        by_row = lambda x: x.transpose(1, 2).reshape(-1, D).index_select(0, kv_row)  # noqa: E731
-        sources = dict(k=by_row(k), v=by_row(v),  # (n_slots, D)
-                       pos=prompt.pos.int(), score=prompt.score, last=prompt.last,
-                       flags=prompt.flags)
-        for name, fill in self.fields.items():
+        return n_slots
+
+    def fill(self, k, v, rows, fields: dict, source):
+        """The pool's tensors, as `layout` laid it out: slot i holds row rows[i] of
+        k and v (B, K, T, D), read as the model lays them out, (B * T * K, D),
+        and element source[i] of each of `fields`, flat (an empty slot's keys
+        and values are another token's, never attended to)."""
+        P, D = self.page, k.shape[-1]
+        for name in self.fields:
             if name in ("k", "v"):
-                t = sources[name].masked_fill_(empty[:, None], fill).view(-1, P, D)
-                if name == "k":
-                    t = t.view(-1, D).T if self.masked else t.transpose(1, 2)
-                    t = t.contiguous()
+                t = (k if name == "k" else v).transpose(1, 2).reshape(-1, D).index_select(0, rows)
+                if name == "k":  # (D, N * P) or pages (N, D, P)
+                    t = (t.T if self.masked else t.view(-1, P, D).transpose(1, 2)).contiguous()
+                t = t.view(-1, P, D) if name == "v" else t
             else:
-                t = sources[name].view(S * T).index_select(0, source).masked_fill_(empty, fill)
-                t = t.view(-1, P)
+                t = fields[name].index_select(0, source).view(-1, P)
             self.register_buffer(name, t, persistent=False)
         self._hide()
         self._mark_dynamic()
@@ -588,14 +580,46 @@ def decide(caches: list[FastGenCache]):
     keep = keeps[choice, every]  # (L * S, T)
     choices, kept = torch.stack([choice, keep.sum(1)]).tolist()
     grown = growth[every, choice].tolist()
-    for c, rows in zip(caches, layers):
-        q, k, v, _ = c.held
-        c.compress(prompt[rows], keep[rows], choices[rows], kept[rows], grown[rows], k, v,
-                   q.shape[1] // c.n_kv_heads)
+    compress(caches, prompt, keep, choices, kept, grown)
+    for c in caches:
         c.held = None
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:
         c.profile_s += spent
+
+
+def compress(caches: list[FastGenCache], prompt: Slots, keep, choice: list[int],
+             kept: list[int], growth: list[float]):
+    """Build the layers' pools from what each segment's policy keeps of its
+    prompt: each layer's laid out on the host (`FastGenCache.layout`), then
+    where every slot's token comes from found for all the layers at once, the
+    prompt's slot fields gathered at once, and each layer's keys and values
+    gathered from its own prompt (`FastGenCache.fill`). prompt, keep: the
+    layers' (L * S, T) slots and what each segment's policy keeps of them; on
+    the host, each segment's policy, kept tokens and `growth`."""
+    S = len(choice) // len(caches)
+    layers = [slice(i * S, (i + 1) * S) for i in range(len(caches))]
+    sizes = [c.layout(prompt[rows], choice[rows], kept[rows], growth[rows],
+                      c.held[0].shape[1] // c.n_kv_heads) for c, rows in zip(caches, layers)]
+    # The pools end to end. Kept tokens first, in position order, in each
+    # segment's slots: slot start + n of a segment holds its n-th kept token.
+    offsets = itertools.accumulate(sizes[:-1], initial=0)
+    start = torch.cat([c.start + offset for c, offset in zip(caches, offsets)])  # (L * S,)
+    LS, T = keep.shape
+    token = torch.arange(LS * T, device=keep.device).view(LS, T)
+    # An empty slot's source is one past the prompt's tokens: what an empty slot holds.
+    source = torch.full((sum(sizes),), LS * T, dtype=torch.long, device=keep.device)
+    source[(start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
+    fields = dict(pos=prompt.pos.int(), score=prompt.score, last=prompt.last, flags=prompt.flags)
+    fields = {name: torch.cat([t.reshape(-1), t.new_full((1,), SLOT_FIELDS[name])])
+              for name, t in fields.items() if t is not None}
+    # Each slot's row of its layer's k and v, as the model lays them out (B, T, K).
+    K = caches[0].n_kv_heads
+    seg, at = source % (S * T) // T, source % T
+    rows = ((seg // K * T + at) * K + seg % K).split(sizes)
+    for c, rows_i, source_i in zip(caches, rows, source.split(sizes)):
+        _, k, v, _ = c.held
+        c.fill(k, v, rows_i, fields, source_i)
 
 
 def profile_layers(caches: list[FastGenCache]) -> Profile:
