@@ -20,18 +20,19 @@ bytes, rounded up to a page.
 A decode step does the same few operations whatever the policies: write each
 segment's new token into a free slot chosen in advance, attend over every page
 of the layer at once (a softmax per segment across its pages; eager, with few
-segments and short prompts, every query over every slot, masked to its own),
-and add the attention each token got to its score. Eviction is the policies'
-work, and it runs between steps (`reserve`), for every layer at once, every
-`evict_every` steps: each segment's slots become one padded row, the rows of
-all the layers sorted by policy, each policy keeps from its own rows (a top-k,
-not a sort), what is no longer kept is freed, and every segment is handed its
-next free slots; a group that runs short grows by a page or more (each group
-starts with room for what the budget planned, so that is rare). Done a layer
-at a time, the same work was a few hundred small operations per layer. So the
-step compiles once, its pool's size dynamic, and the ranking that eviction
-needs is paid once per `evict_every` tokens. With `evict_every=1` the cache
-evicts after every token, as the paper describes.
+segments and short prompts, every query over every slot, kept to its own by a
+bias, K then held as one (D, N * P)), and add the attention each token got to
+its score. Eviction is the policies' work, and it runs between steps
+(`reserve`), for every layer at once, every `evict_every` steps: each segment's
+slots become one padded row, the rows of all the layers sorted by policy, each
+policy keeps from its own rows (a top-k, not a sort), what is no longer kept is
+freed, and every segment is handed its next free slots; a group that runs short
+grows by a page or more (each group starts with room for what the budget
+planned, so that is rare). Done a layer at a time, the same work was a few
+hundred small operations per layer. So the step compiles once, its pool's size
+dynamic, and the ranking that eviction needs is paid once per `evict_every`
+tokens. With `evict_every=1` the cache evicts after every token, as the paper
+describes.
 """
 from __future__ import annotations
 
@@ -234,7 +235,7 @@ class FastGenCache(nn.Module):
         self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
         self.clock = Clock()
         self.n_growths = 0
-        self.masked = False  # attended by masked_attention (a small pool), decided by `compress`
+        self.masked = False  # attended by masked_attention (a small pool), decided by `layout`
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
@@ -282,7 +283,7 @@ class FastGenCache(nn.Module):
         return causal_attention(q, k, v)
 
     def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
-             G: int) -> int:
+               G: int) -> int:
         """Lay out the pool for what each segment's policy keeps of its prompt
         (`compress` fills it). prompt: the layer's (S, T) slots; on the host,
         each segment's policy, how many tokens that is, the policy's `growth`;
@@ -338,7 +339,8 @@ class FastGenCache(nn.Module):
                 t = (k if name == "k" else v).transpose(1, 2).reshape(-1, D).index_select(0, rows)
                 if name == "k":  # (D, N * P) or pages (N, D, P)
                     t = (t.T if self.masked else t.view(-1, P, D).transpose(1, 2)).contiguous()
-                t = t.view(-1, P, D) if name == "v" else t
+                else:
+                    t = t.view(-1, P, D)
             else:
                 t = fields[name].index_select(0, source).view(-1, P)
             self.register_buffer(name, t, persistent=False)
@@ -607,7 +609,7 @@ def compress(caches: list[FastGenCache], prompt: Slots, keep, choice: list[int],
     start = torch.cat([c.start + offset for c, offset in zip(caches, offsets)])  # (L * S,)
     LS, T = keep.shape
     token = torch.arange(LS * T, device=keep.device).view(LS, T)
-    # An empty slot's source is one past the prompt's tokens: what an empty slot holds.
+    # An empty slot reads one past the prompt's tokens, where each field holds its empty value.
     source = torch.full((sum(sizes),), LS * T, dtype=torch.long, device=keep.device)
     source[(start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
     fields = dict(pos=prompt.pos.int(), score=prompt.score, last=prompt.last, flags=prompt.flags)
