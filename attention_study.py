@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import generate as gen_
-from cache import MASKED_SCORES, group_pages, page_size
+from cache import attends_masked, group_pages, page_size
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from profiling import choose
@@ -84,7 +84,7 @@ def derive(model, rec, kept, threshold, prompt_len):
             for g, pages in group_pages(sizes, 0, page):
                 nbytes += len(sizes[g]) * (pages * (page * per_slot + 8) + 48)
                 slots += len(sizes[g]) * pages * page
-        if a.n_heads * slots <= MASKED_SCORES:  # S * G = the query heads, at batch 1
+        if attends_masked(a.n_kv_heads, a.n_heads // a.n_kv_heads, slots):  # batch 1
             nbytes += a.n_kv_heads * slots * 2
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 

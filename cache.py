@@ -180,6 +180,12 @@ def masked_attention(q, k, v, bias):
     return y.view(S, G, D), probs.sum(0).div_(G)
 
 
+def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
+    """Whether an eager step attends to a pool with `masked_attention`: while
+    every query's scores over every slot are few (MASKED_SCORES)."""
+    return segments * heads_per_kv * slots <= MASKED_SCORES
+
+
 def slot_bias(empty, owner, S: int) -> torch.Tensor:
     """`masked_attention`'s bias, (S, 1, N * P), from the slots that hold nothing,
     empty: (N, P), and the segment of each page, owner: (N,). In bfloat16: it
@@ -325,7 +331,7 @@ class FastGenCache(nn.Module):
         self._place()
         n_slots = sum(len(g.rows) * g.pages for g in self.groups) * P
         # A small pool is attended by `masked_attention` and keeps K as one (D, N * P).
-        self.masked = self.eager and S * G * n_slots <= MASKED_SCORES
+        self.masked = self.eager and attends_masked(S, G, n_slots)
         return n_slots
 
     def fill(self, k, v, rows, fields: dict, source):
