@@ -23,7 +23,9 @@ def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
     # FastGen at T = 1 keeps every token (Full() everywhere): the same predictions.
     assert rows["fastgen T=1"]["kl"] < 1e-6 and rows["fastgen T=1"]["top1"] == 1
     for name, r in rows.items():
-        assert r["kl"] >= 0, name
+        # Never negative, but float32 sums over two equal distributions may round
+        # below 0 (-2.4e-8 for FastGen at T = 1 on one machine).
+        assert r["kl"] >= -1e-6, name
         assert 0 <= r["top1"] <= 1 and 0 <= r["pk_acc"] <= 1, name
         # Prompts of a few dozen tokens: a compressed head's round of free slots
         # (evict_every) and its index tensors weigh more than at real sizes.
