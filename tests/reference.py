@@ -273,7 +273,7 @@ class State:
         self.choice = cache.choice.tolist()
         self.max_new_tokens = cache.max_new_tokens
         self.kept: list[dict[int, float]] = [None] * S
-        for g in cache.groups:
+        for g in cache.pool.groups:
             slots = cache.slots(g)
             for row, s in enumerate(g.seg.tolist()):
                 pos, score = slots.pos[row], slots.score[row]
@@ -283,9 +283,10 @@ class State:
                 assert len(self.kept[s]) == int(held.sum()), f"segment {s} holds a position twice"
         assert all(kept is not None for kept in self.kept), "a segment is in no group"
         # The slot each segment's next token goes to, and whether it is free and its own.
-        flat = cache.pos.view(-1)
-        owner = cache.owner.repeat_interleave(cache.page)
-        self.dest_ok = [bool(flat[j] < 0 and owner[j] == s) for s, j in enumerate(cache.dest.tolist())]
+        flat = cache.pool.pos.view(-1)
+        owner = cache.pool.owner.repeat_interleave(cache.page)
+        self.dest_ok = [bool(flat[j] < 0 and owner[j] == s)
+                        for s, j in enumerate(cache.pool.dest.tolist())]
 
 
 def compare(ref: Reference, state: State):
@@ -315,7 +316,7 @@ class CheckedCache(nn.Module):
         """`forward` reserves, and checks that it left room."""
 
     def forward(self, q, k, v, input_pos, tokens):
-        prefill = self.cache.groups is None
+        prefill = self.cache.pool is None
         if prefill:
             # What each policy keeps of the prompt by the cache's own ranking: the
             # reference breaks its near-ties (float32 against float64) the same way.

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cache
+import pool
 from cache import fastgen_caches
 from generate import decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer
@@ -98,7 +99,7 @@ CASES = {
 @pytest.fixture(params=["paged", "masked"])
 def decode_attention(request, monkeypatch):
     """Decode with one of the cache's two attentions, whatever the batch."""
-    monkeypatch.setattr(cache, "MASKED_SCORES", {"paged": 0, "masked": 1 << 62}[request.param])
+    monkeypatch.setattr(pool, "MASKED_SCORES", {"paged": 0, "masked": 1 << 62}[request.param])
     return request.param
 
 
@@ -110,10 +111,10 @@ def test_masked_attention_equals_paged():
     held = torch.rand(N, P, generator=g) < 0.6
     held[:, 0] = True  # every segment holds something
     held[4] = False  # a page with nothing in it
-    y, last = cache.masked_attention(q, k.transpose(0, 1).reshape(D, N * P), v.view(N * P, D),
-                                     cache.slot_bias(~held, owner, S))
+    y, last = pool.masked_attention(q, k.transpose(0, 1).reshape(D, N * P), v.view(N * P, D),
+                                    pool.slot_bias(~held, owner, S))
     last = last.view(N, P)
-    y_ref, last_ref = cache.paged_attention(q, k, v, ~held, owner)
+    y_ref, last_ref = pool.paged_attention(q, k, v, ~held, owner)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(last, last_ref)
     for s in range(S):  # each segment's softmax over the slots it holds, (K transposed in pages)
@@ -230,21 +231,22 @@ def test_layers_reserve_together_as_each_alone(evict_every):
         model.setup_caches(caches)
         outs.append(model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)))
     assert len({tuple(map(repr, c.plan())) for c in alone}) > 1  # the layers differ
-    assert any("last" in c.fields for c in alone) and not all("last" in c.fields for c in alone)
+    assert any("last" in c.pool.fields for c in alone)
+    assert not all("last" in c.pool.fields for c in alone)
     follow = torch.randint(0, 256, (2, max_new), generator=torch.Generator().manual_seed(6))
     for i in range(max_new - 1):
         for c in alone:
             c.reserve()
         cache.reserve(together)
         for a, b in zip(alone, together):
-            for name in (*a.fields, "dest", "owner"):
-                assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+            for name in (*a.pool.fields, "dest", "owner"):
+                assert torch.equal(getattr(a.pool, name), getattr(b.pool, name)), (i, name)
         steps = []
         for caches in (alone, together):
             model.setup_caches(caches)
             steps.append(model(follow[:, i:i + 1], lens_t[:, None] + i))
         assert torch.equal(steps[0], steps[1])
-    assert sum(c.kept() for c in together) < sum(c.pos.numel() for c in together)
+    assert sum(c.kept() for c in together) < sum(c.pool.pos.numel() for c in together)
     model.setup_caches(None)
 
 
@@ -290,8 +292,8 @@ def test_layers_decide_together_as_each_alone(policies, options, held, monkeypat
     for a, b in zip(alone, caches):
         assert torch.equal(a.choice, b.choice)
         torch.testing.assert_close(a.recovery, b.recovery, atol=1e-6, rtol=0)
-        for name in (*a.fields, "owner"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for name in (*a.pool.fields, "owner"):
+            assert torch.equal(getattr(a.pool, name), getattr(b.pool, name)), name
     torch.testing.assert_close(got, logits, atol=1e-5, rtol=0)
     model.setup_caches(None)
 
@@ -332,10 +334,10 @@ def pool_bytes(cache):
     """Every tensor the cache holds, counted from the outside."""
     named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width",
              "seg_prompt_len", "seg_first_query", "evicts_by", "dest", "free"}
-    buffers = dict(cache.named_buffers())
+    buffers = {name.removeprefix("pool."): t for name, t in cache.named_buffers()}
     if not any(p.reads_last for p in cache.plan()):
         named.remove("last")  # kept only for a policy that reads it (TOVA)
-    if cache.masked:
+    if isinstance(cache.pool, pool.MaskedPool):
         named.add("bias")  # masked_attention's
     assert set(buffers) == named | {"prompt_lens", "token_flags"}  # the last two: inputs
     assert not list(cache.parameters())
@@ -353,13 +355,14 @@ def test_reported_compression_is_what_the_tensors_hold():
     for c in caches:
         assert c.cache.kept() == sum(map(len, c.ref.kept.values()))
         assert c.cache.nbytes() == pool_bytes(c.cache)
-        N, P, D = c.cache.v.shape
-        assert c.cache.k.shape == ((D, N * P) if c.cache.masked else (N, D, P))
-        assert c.cache.owner.shape == (N,)
-        assert all(t.shape == (N, P) for t in (c.cache.pos, c.cache.score, c.cache.flags))
+        p = c.cache.pool
+        N, P, D = p.v.shape
+        assert p.k.shape == ((D, N * P) if isinstance(p, pool.MaskedPool) else (N, D, P))
+        assert p.owner.shape == (N,)
+        assert all(t.shape == (N, P) for t in (p.pos, p.score, p.flags))
         # Each group's block is as wide as its fullest segment plus one round of new
         # tokens, rounded up to a page.
-        for g in c.cache.groups:
+        for g in c.cache.pool.groups:
             held = (c.cache.slots(g).pos >= 0).sum(1)
             assert g.pages * P - int(held.max()) < c.cache.evict_every + 2 * P
     total = sum(c.cache.nbytes() for c in caches)
@@ -425,7 +428,7 @@ def test_decode_compiles_once_without_graph_breaks(kv, decode_attention):
     caches = make_caches(model, kv, lens, max_new, flags, recovery=0.75)
     expected = greedy(model, prompts, caches, max_new).argmax(-1)
     if kv == "fastgen":
-        assert all(len(c.groups) == 2 for c in caches)
+        assert all(len(c.pool.groups) == 2 for c in caches)
     step, counters = fresh_compile()
     with torch.no_grad():
         model.setup_caches(make_caches(model, kv, lens, max_new, flags, recovery=0.75))
@@ -444,6 +447,43 @@ def test_decode_compiles_once_without_graph_breaks(kv, decode_attention):
         model.setup_caches(None)
     assert torch.equal(torch.cat(out, 1), expected)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_a_plain_loop_without_reserve_is_still_right():
+    """A caller's own decode loop that never calls `reserve`: eager, each layer
+    reserves by itself and the logits equal `greedy`'s (which reserves); a
+    compiled step raises an error that names the call to make, never wrong
+    logits."""
+    model = tiny_model()
+    lens, max_new = [20, 13], 24  # several evictions, with the window and heavy hitters
+    prompts = prompts_of(lens, seed=8)
+    flags = random_flags(256, 4)
+
+    def caches():
+        return fastgen_caches(model, [baseline("h2o", 0.3)], lens, max_new, flags, evict_every=3)
+
+    expected = greedy(model, prompts, caches(), max_new)
+    model.setup_caches(caches())
+    tokens, lens_t = padded(prompts)
+    B, T = tokens.shape
+    logits = model(tokens, torch.arange(T).expand(B, T))[torch.arange(B), lens_t - 1]
+    out = [logits]
+    for i in range(max_new - 1):
+        logits = model(logits.argmax(-1)[:, None], lens_t[:, None] + i)[:, -1]
+        out.append(logits)
+    assert torch.equal(torch.stack(out, 1), expected)
+    assert all(c.steps == max_new - 1 for c in model.caches())
+
+    step, _ = fresh_compile()
+    model.setup_caches(caches())
+    cur, lens_t = first_token(model, prompts)
+    cache.reserve(model.caches())
+    cur = step(model, cur, lens_t[:, None])  # with its reservation: runs
+    with pytest.raises(Exception, match=r"cache\.reserve\(model\.caches\(\)\)"):
+        step(model, cur, lens_t[:, None] + 1)
+    model.setup_caches(None)
     torch._dynamo.reset()
 
 
@@ -490,7 +530,7 @@ def test_groups_grow_with_what_they_hold_and_compile_once():
                 compiled_at.append(i)
             out.append(cur)
             for c in caches:
-                for g in c.groups:
+                for g in c.pool.groups:
                     # Free slots: at most what the rest of the generation needs (a
                     # quarter of the width at most) and a round, rounded to a page.
                     free = int((c.slots(g).pos < 0).sum(1).min())

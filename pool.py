@@ -1,0 +1,513 @@
+"""The page pool a FastGen cache stands on: where each head's kept tokens live.
+
+cache.py is the method; this is the storage beneath it. A *segment* is one
+(sequence, KV head) pair. A layer's pool is N pages of P slots: V as (N, P, D),
+and every slot has a position (-1: empty), a heavy-hitter score, token flags
+and the attention the latest query gave it. Each segment owns a run of pages.
+Segments that share a policy and hold about as many tokens form a `Group`,
+whose pages sit together as an (n, C) block, C slots per segment, so that a
+policy reads them as the padded rows it ranks. A head that keeps 5% of the
+prompt therefore allocates about 5% of a full head's bytes, rounded up to a
+page.
+
+The interface the cache uses, one layer at a time:
+
+    build(...)          lay a pool out for what each segment keeps of its prompt
+    fill_from_prompt    fill the pools of several layers from their prompts
+    Pool.write          each segment's new token, into the slot handed out for it
+    Pool.attend         one query per segment over the slots it holds
+    Pool.add_scores     the attention each slot just got, added to its score
+    evict               each policy's rows of several layers; frees what it drops
+    hand_out            every segment's next free slots; groups that run short grow
+
+Two layouts implement the same pool. `PagedPool` keeps K as pages (N, D, P)
+(scoring a page is then a plain (G, D) x (D, P) product, on CPU markedly
+faster than against (P, D)) and pieces each segment's softmax together from
+its pages. `MaskedPool`, for small pools attended eagerly, keeps K as one
+(D, N * P) and attends every query to every slot, kept to its own by a bias.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+import torch.nn as nn
+
+# Letters in shape comments: S segments, G query heads per KV head, n segments
+# in a group, N pages, P slots per page, C slots per segment in a group,
+# M = N * P slots, D head dimension.
+
+# Slots per page: a segment wastes at most a page minus one slot to rounding, and
+# a page is one small matrix product per step, so pages grow with the prompt.
+MIN_PAGE, MAX_PAGE = 4, 128
+# Segments share a group while the largest holds at most this much more than
+# the smallest (plus a page): the rest of a group's width is padding.
+SPREAD = 1.05
+# An eager step attends with `masked_attention` while a layer's scores (every
+# query against every slot of the pool) are at most this many floats, else with
+# `paged_attention`: batch 1 up to about 2k tokens and batch 2 at 512 on
+# SmolLM2. Compiled, where the pages' softmax fuses, every layer attends with
+# `paged_attention`: it was the faster at every size measured.
+MASKED_SCORES = 1 << 15
+# The pool's per-slot tensors and what an empty slot holds.
+SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
+
+
+@dataclass
+class Group:
+    """Segments of one layer that follow the same policy, stored as an (n, C)
+    block of the pool: pages first .. first + n * pages, `pages` per segment."""
+    policy: int  # the policy's index in the cache's list
+    rows: list[int]  # the n segment ids
+    growth: float  # the largest share of new tokens a segment's policy holds (Policy.growth)
+    first: int = 0
+    pages: int = 1
+
+    @property
+    def seg(self) -> torch.Tensor:
+        return torch.tensor(self.rows)
+
+    def block(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's part of a pool tensor (N, P, ...) as (n, C, ...): a view."""
+        n = len(self.rows)
+        part = t[self.first:self.first + n * self.pages]
+        return part.reshape(n, self.pages * part.shape[1], *part.shape[2:])
+
+
+@dataclass
+class Cursor:
+    """The column of `free` that the next step writes to: a plain object, as
+    an nn.Module's attribute writes run through Python checks (about 4 us)."""
+    at: int = 0
+
+
+def page_size(prompt_len: int) -> int:
+    """About a 64th of the prompt, a power of two between MIN_PAGE and MAX_PAGE."""
+    return min(MAX_PAGE, max(MIN_PAGE, 1 << max(0, prompt_len // 64 - 1).bit_length()))
+
+
+def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int]]:
+    """Segments of one policy, their kept sizes sorted: runs within SPREAD (plus
+    a page) of the first, each with the pages per segment that hold its largest
+    size plus `room` new tokens."""
+    runs, start = [], 0
+    for i, size in enumerate(sizes):
+        if size > sizes[start] * SPREAD + page:
+            runs.append(slice(start, i))
+            start = i
+    runs.append(slice(start, len(sizes)))
+    return [(r, max(1, -(-(sizes[r.stop - 1] + room) // page))) for r in runs if sizes[r]]
+
+
+def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
+    """Whether an eager step attends to a pool with `masked_attention`: while
+    every query's scores over every slot are few (MASKED_SCORES)."""
+    return segments * heads_per_kv * slots <= MASKED_SCORES
+
+
+def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
+          page: int, room: int, new: int, every: int, heads_per_kv: int, eager: bool,
+          device) -> Pool:
+    """A pool laid out for what each segment keeps of its prompt (`fill_from_prompt`
+    fills it): on the host, each segment's policy index, its kept tokens and
+    its policy's `growth`. Each group gets room for `room` new tokens, plus
+    what the budget charged its policy for the `new` tokens after them (a
+    quarter of its width at most, as `grow` grows): a group of heads that keep
+    them all never grows. `every` is the tokens between evictions."""
+    groups = []
+    for i in sorted(set(choice)):
+        seg = sorted((s for s in range(len(choice)) if choice[s] == i), key=kept.__getitem__)
+        sizes = [kept[s] for s in seg]
+        for g, pages in group_pages(sizes, room, page):
+            group = Group(i, seg[g], max(growth[s] for s in seg[g]))
+            planned = min(math.ceil(group.growth * new), pages * page // 4)
+            group.pages = -(-(sizes[g.stop - 1] + room + planned) // page)
+            groups.append(group)
+    # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
+    fields = {n: e for n, e in SLOT_FIELDS.items() if n != "last" or reads_last}
+    slots = sum(len(g.rows) * g.pages for g in groups) * page
+    masked = eager and attends_masked(len(choice), heads_per_kv, slots)
+    return (MaskedPool if masked else PagedPool)(groups, page, every, fields, len(choice), device)
+
+
+class Pool(nn.Module):
+    """One layer's pool of pages. Subclasses say how K is stored and attended."""
+
+    def __init__(self, groups: list[Group], page: int, every: int, fields: dict, segments: int,
+                 device):
+        super().__init__()
+        self.groups, self.page, self.every, self.fields = groups, page, every, fields
+        self.n_growths = 0
+        self.cursor = Cursor()
+        # The slot each segment writes its next token to, and its next free slots.
+        self.register_buffer("dest", torch.zeros(segments, dtype=torch.long, device=device),
+                             persistent=False)
+        self.register_buffer("free", self.dest.new_zeros(segments, 0), persistent=False)
+        self.place()
+
+    def place(self):
+        """Page offsets of the groups, the owner of every page and each segment's
+        first slot (its slots run on from there, one group row) and their number."""
+        first, owner, S = 0, [], len(self.dest)
+        start, width = [0] * S, [0] * S
+        for g in self.groups:
+            g.first = first
+            for j, s in enumerate(g.rows):
+                start[s], width[s] = (first + g.pages * j) * self.page, g.pages * self.page
+                owner += [s] * g.pages
+            first += len(g.rows) * g.pages
+        self.size = first * self.page
+        for name, t in dict(owner=owner, start=start, width=width).items():
+            self.register_buffer(name, torch.tensor(t, device=self.dest.device), persistent=False)
+
+    def fill(self, k, v, rows, fields: dict, source):
+        """Slot i holds row rows[i] of k and v (B, K, T, D), read as the model lays
+        them out, (B * T * K, D), and element source[i] of each of `fields`, flat
+        (an empty slot's keys and values are another token's, never attended to)."""
+        P, D = self.page, k.shape[-1]
+        for name in self.fields:
+            if name in ("k", "v"):
+                t = (k if name == "k" else v).transpose(1, 2).reshape(-1, D).index_select(0, rows)
+                t = self.keys(t) if name == "k" else t.view(-1, P, D)
+            else:
+                t = fields[name].index_select(0, source).view(-1, P)
+            self.register_buffer(name, t, persistent=False)
+        self.hide()
+        self.mark_dynamic()
+
+    # --- A decode step -----------------------------------------------------------
+
+    def write(self, k, v, pos, flags):
+        """Each segment's new token, k and v (S, D), its position and flags (S,),
+        into the slot `dest` holds for it."""
+        slot, D = self.dest, v.shape[-1]
+        self.write_key(slot, k)
+        self.v.view(-1, D).index_copy_(0, slot, v)
+        self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
+        self.flags.view(-1).index_copy_(0, slot, flags)
+
+    def add_scores(self, last):
+        """The attention each slot got from the latest query, (N, P)."""
+        if "last" in self.fields:
+            self.last.copy_(last)
+        self.score += last
+
+    # --- Between steps -----------------------------------------------------------
+
+    def next_slot(self):
+        """Point the step at each segment's next free slot."""
+        self.dest.copy_(self.free[:, self.cursor.at])
+        self.cursor.at += 1
+
+    def ran_out(self) -> bool:
+        return self.cursor.at == self.free.shape[1]
+
+    def grow(self, counts: list[int], need: int, remaining: int) -> bool:
+        """Widen the groups in which a segment has fewer than `need` free slots
+        (counts: each segment's), `remaining` tokens before the planned end;
+        whether any did."""
+        E, P = self.every, self.page
+        grow = {}
+        for i, g in enumerate(self.groups):
+            least = min(counts[s] for s in g.rows)
+            if least < need:
+                # Grow to what the budget charged the policy for the rest of the
+                # generation (a quarter more at most), and a round more: a group
+                # of Full heads grows once, not every other round.
+                planned = min(math.ceil(g.growth * max(remaining, 0)), g.pages * P // 4)
+                grow[i] = -(-(max(need, planned) + E - least) // P)
+        if grow:
+            self.widen(grow)
+        return bool(grow)
+
+    def widen(self, grow: dict[int, int]):
+        """Add `grow[i]` empty pages to each segment of group i; the pool is rebuilt."""
+        parts = {name: [] for name in self.fields}
+        for i, g in enumerate(self.groups):
+            extra = grow.get(i, 0)
+            for name, empty in self.fields.items():
+                t = self.pages(name)[g.first:g.first + len(g.rows) * g.pages]
+                t = t.reshape(len(g.rows), g.pages, *t.shape[1:])
+                pad = t.new_full((len(g.rows), extra, *t.shape[2:]), empty)
+                parts[name].append(torch.cat([t, pad], 1).flatten(0, 1))
+            g.pages += extra
+        for name, ts in parts.items():
+            setattr(self, name, self.from_pages(name, torch.cat(ts)))
+        self.n_growths += len(grow)
+        self.place()
+        self.hide()
+        self.mark_dynamic()
+
+    # --- What the pool holds -----------------------------------------------------
+
+    STATE = ("owner", "start", "width", "dest", "free")
+
+    def nbytes(self) -> int:
+        """Bytes really held: the slots' fields and every index tensor."""
+        return sum(getattr(self, name).nbytes for name in (*self.fields, *self.STATE))
+
+    def kept(self) -> int:
+        return int((self.pos >= 0).sum())
+
+    def mark_dynamic(self):
+        """Compiled code sees the pool's page count as dynamic from the first step:
+        a growth, in whichever layer, then needs no new graph."""
+        for name in (*self.fields, "owner"):
+            torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
+
+    # What the layouts differ in.
+    def keys(self, k):
+        """The pool's K from its (M, D) rows."""
+        raise NotImplementedError
+
+    def write_key(self, slot, k):
+        raise NotImplementedError
+
+    def attend(self, q):
+        """One query per segment, q (S, G, D), over the slots it holds: the output
+        (S, G, D) and the attention each slot got, (N, P) in float32, averaged
+        over the G query heads."""
+        raise NotImplementedError
+
+    def pages(self, name: str) -> torch.Tensor:
+        """A field as pages, (N, P, ...) or K's (N, D, P)."""
+        return getattr(self, name)
+
+    def from_pages(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def hide(self):
+        """After the slots or their owners changed."""
+
+    def forget(self):
+        """After eviction freed slots."""
+
+
+class PagedPool(Pool):
+    """K as pages (N, D, P); each segment's softmax pieced together from its pages."""
+
+    def keys(self, k):
+        return k.view(-1, self.page, k.shape[-1]).transpose(1, 2).contiguous()
+
+    def write_key(self, slot, k):
+        # K's pages are (D, P): the new key's D values lie P apart. One flat
+        # index_copy_, which compiled ran faster than writing k[page, :, slot].
+        P, (S, D) = self.page, k.shape
+        at = (slot // P * (D * P) + slot % P)[:, None] + P * torch.arange(D, device=slot.device)
+        self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
+
+    def attend(self, q):
+        return paged_attention(q, self.k, self.v, self.pos < 0, self.owner)
+
+
+class MaskedPool(Pool):
+    """K as one (D, N * P), attended by every query, kept to its own slots by a
+    bfloat16 bias (S, 1, N * P) kept up to date instead of built each step."""
+
+    def keys(self, k):
+        return k.T.contiguous()
+
+    def write_key(self, slot, k):
+        self.k.index_copy_(1, slot, k.T)
+        self.bias.view(len(slot), -1).scatter_(1, slot[:, None], 0.0)  # the new token, seen
+
+    def attend(self, q):
+        y, last = masked_attention(q, self.k, self.v.view(-1, self.v.shape[-1]), self.bias)
+        return y, last.view_as(self.score)
+
+    def pages(self, name):
+        if name == "k":
+            return self.k.T.view(-1, self.page, self.k.shape[0])  # (N, P, D)
+        return getattr(self, name)
+
+    def from_pages(self, name, t):
+        return t.view(-1, t.shape[-1]).T.contiguous() if name == "k" else t
+
+    def hide(self):
+        self.register_buffer("bias", slot_bias(self.pos < 0, self.owner, len(self.dest)),
+                             persistent=False)
+
+    def forget(self):
+        self.bias.masked_fill_(self.pos.view(1, 1, -1) < 0, -math.inf)
+
+    STATE = (*Pool.STATE, "bias")
+
+    def mark_dynamic(self):
+        for name in (*self.fields, "owner"):
+            torch._dynamo.maybe_mark_dynamic(getattr(self, name), int(name == "k"))
+        torch._dynamo.maybe_mark_dynamic(self.bias, 2)
+
+
+# --- The two attentions ---------------------------------------------------------
+
+def paged_attention(q, k, v, empty, owner):
+    """One query per segment over its pages.
+
+    q: (S, G, D); k: (N, D, P) and v: (N, P, D) pages; empty: (N, P) bool, the
+    slots that hold nothing; owner: (N,) the segment of each page. Returns the
+    output (S, G, D) and the attention each slot got, (N, P) in float32,
+    averaged over the G query heads. The softmax of a segment spans its pages:
+    each page's maximum and sum are combined per segment, and the pages' outputs
+    by a product with the (S, N) matrix of which page is whose: compiled, a
+    scatter of the outputs adds atomically, which ran slower on CPU.
+    """
+    S, G, D = q.shape
+    N, P = empty.shape
+    scores = ((q.index_select(0, owner) @ k) / math.sqrt(D)).float()  # (N, G, P)
+    scores = scores.masked_fill(empty[:, None], -math.inf)
+    mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
+    page_top = scores.amax(-1)  # (N, G)
+    if torch.compiler.is_compiling():
+        # Compiled, one fused reduction over each segment's pages, where a
+        # scatter_reduce stays an op of its own; eager, this would write out
+        # an (S, N, G) tensor, and the scatter is the faster.
+        top = page_top.expand(S, N, G).masked_fill(~mine[..., None], -math.inf).amax(1)
+    else:
+        top = page_top.new_full((S, G), -math.inf).scatter_reduce(
+            0, owner[:, None].expand(N, G), page_top, "amax")
+    e = (scores - top.index_select(0, owner)[..., None]).exp()
+    total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
+    probs = e / total.index_select(0, owner)[..., None]
+    y = mine.float() @ (probs.to(v.dtype) @ v).float().view(N, G * D)
+    return y.view(S, G, D).to(v.dtype), probs.mean(1)
+
+
+def masked_attention(q, k, v, bias):
+    """`paged_attention`, computed as one attention of every query over every
+    slot of the layer, kept from the others' slots by `bias`: S times the
+    arithmetic on scores, in two plain matrix products instead of a softmax
+    pieced together page by page, which wins while those scores are few
+    (MASKED_SCORES).
+
+    q: (S, G, D); k: (D, M) and v: (M, D), the pool's M slots (K transposed as
+    a whole: a plain product, twice as fast as against (M, D)); bias: (S, 1, M),
+    0 on the slots segment s holds, -inf elsewhere (`slot_bias`). Returns the
+    output (S, G, D) and the attention each slot got, (M,) in float32,
+    averaged over the G query heads."""
+    S, G, D = q.shape
+    scores = ((q / math.sqrt(D)).view(S * G, D) @ k).view(S, G, -1).float().add_(bias)
+    probs = scores.softmax(-1).view(S * G, -1)
+    y = probs.to(v.dtype) @ v
+    return y.view(S, G, D), probs.sum(0).div_(G)
+
+
+def slot_bias(empty, owner, S: int) -> torch.Tensor:
+    """`masked_attention`'s bias, (S, 1, N * P), from the slots that hold nothing,
+    empty: (N, P), and the segment of each page, owner: (N,). In bfloat16: it
+    holds only 0 and -inf, and added to float32 scores it runs about as fast as
+    a float32 bias (a masked_fill_ with a broadcast mask ran 6 to 20 times
+    slower)."""
+    mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
+    hidden = (~mine[:, :, None] | empty).view(S, 1, -1)
+    return torch.zeros(hidden.shape, dtype=torch.bfloat16, device=owner.device).masked_fill_(
+        hidden, -math.inf)
+
+
+# --- Several layers at once -------------------------------------------------------
+# Done a layer at a time, filling, evicting and handing out slots were a few
+# hundred small operations per layer; the layers' pools laid end to end, once.
+
+def ends(pools: list[Pool]) -> tuple[list[int], list[int], torch.Tensor]:
+    """The pools as if laid end to end: each one's slots and first slot there,
+    and every segment's first slot, (sum of S,)."""
+    sizes = [p.size for p in pools]
+    offsets = [0, *itertools.accumulate(sizes)][:-1]
+    return sizes, offsets, torch.cat([p.start + offset for p, offset in zip(pools, offsets)])
+
+
+def fill_from_prompt(pools: list[Pool], fields: dict, keep, kvs: list[tuple]):
+    """Fill the layers' pools from their prompts: where every slot's token comes
+    from found for all the layers at once, the slot fields gathered at once,
+    and each layer's keys and values gathered from its own prompt. fields: the
+    layers' (L * S, T) pos, score, last, flags; keep: (L * S, T) what each
+    segment's policy keeps; kvs: each layer's prompt k and v, (B, K, T, D)."""
+    sizes, _, start = ends(pools)
+    # Kept tokens first, in position order: slot start + n of a segment holds its n-th kept token.
+    LS, T = keep.shape
+    token = torch.arange(LS * T, device=keep.device).view(LS, T)
+    # An empty slot reads one past the prompt's tokens, where each field holds its empty value.
+    source = torch.full((sum(sizes),), LS * T, dtype=torch.long, device=keep.device)
+    source[(start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
+    fields = {name: torch.cat([t.reshape(-1), t.new_full((1,), SLOT_FIELDS[name])])
+              for name, t in fields.items() if t is not None}
+    # Each slot's row of its layer's k and v, as the model lays them out (B, T, K).
+    K = kvs[0][0].shape[1]
+    S = LS // len(pools)
+    seg, at = source % (S * T) // T, source % T
+    rows = ((seg // K * T + at) * K + seg % K).split(sizes)
+    for p, (k, v), rows_i, source_i in zip(pools, kvs, rows, source.split(sizes)):
+        p.fill(k, v, rows_i, fields, source_i)
+
+
+def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps):
+    """Free what each policy no longer keeps, in every pool given.
+
+    Every segment's slots become one padded row, the rows of all the pools
+    ordered by policy (by: (sum of S,) each segment's policy index among M,
+    -1 for one that never evicts), and `keeps(i, rows, columns)` says which slots policy
+    i keeps of its rows: `rows`, the fields `names` (R, W) padded with their
+    empty values, and `columns`, each (sum of S, 1) per-segment tensor,
+    (R, 1). No segment is ranked by a policy that is not its own."""
+    sizes, _, start = ends(pools)
+    flat = {name: torch.cat([getattr(p, name).view(-1) if name in p.fields
+                             else p.score.new_zeros(size) for p, size in zip(pools, sizes)])
+            for name in names}
+    width = torch.cat([p.width for p in pools])
+    # How many rows each policy has, and its widest, in one host sync.
+    order = by.argsort(stable=True)
+    counts = torch.bincount(by + 1, minlength=M + 1)
+    widest = counts.new_zeros(M + 1).scatter_reduce_(0, by + 1, width, "amax")
+    counts, widest = torch.stack([counts, widest]).tolist()
+    order = order[counts[0]:]  # those that never evict left out
+    cols = torch.arange(max(widest[1:]), device=start.device)
+    pad = cols >= width[order, None]
+    index = (start[order, None] + cols).masked_fill_(pad, 0)  # (R, W) flat slots
+    rows = {name: flat[name][index].masked_fill_(pad, SLOT_FIELDS[name]) for name in names}
+    columns = {name: t[order] for name, t in columns.items()}
+    freed, a = [], 0
+    for i, (n, w) in enumerate(zip(counts[1:], widest[1:])):
+        if n:
+            part = {name: t[a:a + n, :w] for name, t in rows.items()}
+            kept = keeps(i, part, {name: t[a:a + n] for name, t in columns.items()})
+            freed.append(index[a:a + n, :w][(part["pos"] >= 0) & ~kept])
+            a += n
+    freed = torch.cat(freed)
+    flat["pos"][freed] = -1
+    flat["score"][freed] = 0  # the token written there next starts from nothing
+    for name in ("pos", "score"):
+        for p, t in zip(pools, flat[name].split(sizes)):
+            getattr(p, name).view(-1).copy_(t)
+    for p in pools:
+        p.forget()
+
+
+def hand_out(pools: list[Pool], need: int, remaining: list[int]):
+    """Give every segment of every pool its next `need` free slots, first in
+    slot order; the groups that have fewer grow (`remaining`: each pool's
+    tokens before its planned end). One host sync for all the pools."""
+    def running_free():
+        """Running count of free slots over the pools end to end, and its value
+        before each segment's first slot; the pools' offsets."""
+        _, offsets, start = ends(pools)
+        free = torch.cat([p.pos.view(-1) for p in pools]).lt(0).long()
+        running = free.cumsum(0)
+        return running, (running - free)[start], start, offsets
+
+    segments = [len(p.dest) for p in pools]
+    running, before, start, offsets = running_free()
+    width = torch.cat([p.width for p in pools])
+    counts = (running[start + width - 1] - before).tolist()
+    bounds = list(itertools.accumulate(segments, initial=0))
+    if any([p.grow(counts[i:j], need, left)
+            for p, i, j, left in zip(pools, bounds, bounds[1:], remaining)]):
+        running, before, start, offsets = running_free()  # the grown pools moved
+    # Segment s's j-th free slot is where the running count of free slots
+    # reaches the count before its first slot, plus j + 1.
+    wanted = before[:, None] + torch.arange(1, need + 1, device=running.device)
+    slots = torch.searchsorted(running, wanted)  # (sum of S, need)
+    for p, part, offset in zip(pools, slots.split(segments), offsets):
+        p.free = part - offset
+        p.cursor.at = 0
