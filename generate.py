@@ -389,14 +389,13 @@ def load(ckpt: str | None, dtype: str = "float32", device: str = "cpu", allow_pi
     """The model and tokenizer of `ckpt`: a checkpoint folder, a GGUF file (converted once into
     the cache folder) or None for the default model. Under torchrun, this rank's share."""
     from convert_gguf import checkpoint_folder
-    from model import load_model
     from tokenizer import Tokenizer
 
     with tp.same_outcome():  # a GGUF is converted by rank 0 alone, while the others wait
         folder = checkpoint_folder(ckpt) if tp.rank() == 0 else None
     with tp.same_outcome():
         folder = folder or checkpoint_folder(ckpt)
-        model = load_model(folder, DTYPES[dtype], device, allow_pickle, tp.rank(), tp.world())
+        model = tp.load_model(folder, DTYPES[dtype], device, allow_pickle)
         return model, Tokenizer(folder)
 
 

@@ -8,7 +8,6 @@ keeps, per head, only what that head's policy needs.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -415,14 +414,20 @@ def load_state_dict(files: list[Path], dtype: torch.dtype, take) -> dict[str, to
     return sd
 
 
-def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu",
-               allow_pickle: bool = False, rank: int = 0, world: int = 1) -> Transformer:
+def whole(key: str, t) -> torch.Tensor:
+    """All of checkpoint tensor `key`, read from a safetensors slice (or a tensor)."""
+    return t[:]
+
+
+def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu", allow_pickle: bool = False,
+               build=Transformer, take=whole) -> Transformer:
     """Load an HF-format Llama checkpoint folder (config.json + safetensors).
 
     Pickle weights (`*.bin`, `*.pth`) load only with `allow_pickle`, and then
     through `torch.load(weights_only=True)`, which refuses arbitrary objects.
-    With `world` > 1, the share of rank `rank` in tensor parallel (tp.py):
-    only its slices of the safetensors are read."""
+    `build(args)` makes the (meta-device) model to fill, and `take(key, t)`
+    what to keep of each checkpoint tensor (see `read_weights`): tp.py passes
+    its own, to load one rank's share of a model without reading the rest."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint folder {ckpt} does not exist")
@@ -430,11 +435,8 @@ def load_model(ckpt: str | Path, dtype=torch.float32, device="cpu",
         args = ModelArgs.from_hf_config(read_config(ckpt))
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt / 'config.json'}: {e if not isinstance(e, KeyError) else f'missing field {e}'}")
-    if world > 1:
-        import tp  # tensor parallel: this rank's share of the model, and of each weight
     with torch.device("meta"):
-        model = Transformer(args) if world == 1 else tp.sharded_model(args, rank, world)
-    take = (lambda key, t: t[:]) if world == 1 else functools.partial(tp.shard, r=rank, n=world)
+        model = build(args)
     sd = load_state_dict(weight_files(ckpt, allow_pickle), dtype, take)
     if args.tie_embeddings:
         # Tied models share one matrix; some exports still save a copy as lm_head.

@@ -17,15 +17,18 @@ Megatron-style sharding. Rank r of N holds:
 
 So each rank's model is an ordinary `Transformer` whose `ModelArgs` counts
 only its own heads and MLP columns, with four layers swapped for the ones
-below. The KV cache of each layer sees only the rank's heads: every rank
-profiles, compresses and holds its own heads, and nothing in cache.py knows
-about ranks. Plain `torch.distributed` collectives are used: they are the
+below; `load_model` builds it through the plain loader (model.py knows
+nothing of ranks) and reads only the rank's slices of the weights. The KV
+cache of each layer sees only the rank's heads: every rank profiles,
+compresses and holds its own heads, and nothing in cache.py knows about
+ranks. Plain `torch.distributed` collectives are used: they are the
 simplest readable option and `torch.compile(fullgraph=True)` traces them.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 from datetime import timedelta
@@ -36,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import CheckpointError, ModelArgs, Transformer
+from model import load_model as load_whole
 
 # How long a collective may wait for the other ranks before it fails: long
 # enough for one rank to load or compile a few minutes after another, short
@@ -146,6 +150,19 @@ def sharded_model(args: ModelArgs, r: int, n: int) -> Transformer:
         layer.attention.wo = AllReduceLinear(*layer.attention.wo.weight.shape[::-1])
         layer.feed_forward.w2 = AllReduceLinear(*layer.feed_forward.w2.weight.shape[::-1])
     return model
+
+
+def load_model(ckpt, dtype=torch.float32, device="cpu", allow_pickle: bool = False,
+               r: int | None = None, n: int | None = None) -> Transformer:
+    """`model.load_model` for rank r of n (default: this process, after `init`):
+    rank r's share of the model, of which only its slices of the weights are read.
+    With n = 1, the whole model."""
+    r, n = rank() if r is None else r, world() if n is None else n
+    if n == 1:
+        return load_whole(ckpt, dtype, device, allow_pickle)
+    return load_whole(ckpt, dtype, device, allow_pickle,
+                      build=functools.partial(sharded_model, r=r, n=n),
+                      take=functools.partial(shard, r=r, n=n))
 
 
 def shard(key: str, tensor, r: int, n: int) -> torch.Tensor:

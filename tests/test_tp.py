@@ -68,11 +68,10 @@ def ckpts(tmp_path_factory):
 def work(ckpt):
     """What every run computes: teacher-forced logits and greedy generations."""
     from generate import main, score
-    from model import load_model
     from tokenizer import Tokenizer
     import tp
 
-    model = load_model(ckpt, rank=tp.rank(), world=tp.world())
+    model = tp.load_model(ckpt)  # this rank's share
     prompts = [Tokenizer(ckpt).encode(p) for p in PROMPTS]
     result = {"logits": score(model, prompts, FOLLOW, kv="full"),
               "logits_fastgen": score(model, prompts, FOLLOW, kv="fastgen", recovery=0.9)}
@@ -174,7 +173,7 @@ def worker(task, ckpt, out=None):
     if tp.rank() == 1 and task == "fail_load":
         def broken(*args, **kwargs):
             raise model.CheckpointError("model-00002.safetensors is damaged (simulated)")
-        model.load_model = broken
+        tp.load_model = broken
     if tp.rank() == 1 and task == "fail_decode":
         def no_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("out of memory (simulated)")
