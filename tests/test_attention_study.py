@@ -1,9 +1,9 @@
-"""attention_study.py in quick mode on a tiny random checkpoint: it writes its
+"""studies.attention_study in quick mode on a tiny random checkpoint: it writes its
 report and pictures, its numbers are shares, and the bytes it derives for
 every threshold are the bytes the real cache allocates."""
 import json
 
-import attention_study
+from studies import attention_study
 
 
 def test_quick_study(tiny_ckpt, tmp_path):

@@ -1,4 +1,4 @@
-"""bench.py runs end to end in --quick mode on a tiny checkpoint, so it cannot rot."""
+"""studies.bench runs end to end in --quick mode on a tiny checkpoint, so it cannot rot."""
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args):
-    return subprocess.run([sys.executable, str(ROOT / "bench.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "studies.bench", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_bench_quick_eager_and_compiled(tiny_ckpt, tmp_path):

@@ -1,6 +1,6 @@
 """On a CUDA GPU the answers are the CPU's: the golden greedy output, both caches, the
 compiled decode step (also replayed as a CUDA graph), and bfloat16 runs. Skipped without
-a GPU; gpu_check.sh runs it."""
+a GPU; studies/gpu_check.sh runs it."""
 import pytest
 import torch
 

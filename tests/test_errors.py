@@ -105,13 +105,14 @@ def test_full_and_fastgen_at_recovery_1_give_the_same_tokens(tiny_ckpt):
     assert full.tokens == fast.tokens
 
 
-@pytest.mark.parametrize("script", ["bench.py", "scaling.py", "evaluate.py", "attention_study.py"])
+@pytest.mark.parametrize("script", ["bench", "scaling", "evaluate", "attention_study"])
 def test_study_scripts_name_a_missing_checkpoint_in_one_line(script, tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / script), "--quick",
-                        "--ckpt", str(tmp_path / "missing")], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", f"studies.{script}", "--quick",
+                        "--ckpt", str(tmp_path / "missing")], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1])
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"error: checkpoint folder {tmp_path / 'missing'} "
                                              "does not exist"]
@@ -154,11 +155,11 @@ def test_read_only_cache_folder_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["bench.py", "--quick", "--out", "{d}/no/such/report.md"], "give a file in an existing folder"),
-    (["bench.py", "--quick", "--prompt-file", "{d}/bad.txt"], "is not UTF-8 text"),
-    (["scaling.py", "--quick", "--out", "{d}/file.txt/scaling"], "file.txt"),
-    (["attention_study.py", "--quick", "--out", "{d}/file.txt/study"], "file.txt"),
-    (["reproduce.py", "--quick", "--out", "{d}/file.txt/all"], "Not a directory"),
+    (["bench", "--quick", "--out", "{d}/no/such/report.md"], "give a file in an existing folder"),
+    (["bench", "--quick", "--prompt-file", "{d}/bad.txt"], "is not UTF-8 text"),
+    (["scaling", "--quick", "--out", "{d}/file.txt/scaling"], "file.txt"),
+    (["attention_study", "--quick", "--out", "{d}/file.txt/study"], "file.txt"),
+    (["reproduce", "--quick", "--out", "{d}/file.txt/all"], "Not a directory"),
 ])
 def test_scripts_answer_bad_paths_in_one_line(tiny_ckpt, tmp_path, argv, words):
     import subprocess
@@ -167,8 +168,9 @@ def test_scripts_answer_bad_paths_in_one_line(tiny_ckpt, tmp_path, argv, words):
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
     (tmp_path / "file.txt").write_text("x")
     argv = [a.replace("{d}", str(tmp_path)) for a in argv]
-    r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / argv[0]), *argv[1:],
-                        "--ckpt", str(tiny_ckpt)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", f"studies.{argv[0]}", *argv[1:],
+                        "--ckpt", str(tiny_ckpt)], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).parents[1])
     # One line of error, after argparse's usage lines where argparse reports it.
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert words in r.stderr.strip().splitlines()[-1], r.stderr

@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-import evaluate
 import generate
 from model import load_model
 from policies import token_flags
+from studies import evaluate
 from tokenizer import Tokenizer
 
 

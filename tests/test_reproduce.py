@@ -1,4 +1,4 @@
-"""reproduce.py runs every study in --quick mode on a tiny checkpoint."""
+"""studies.reproduce runs every study in --quick mode on a tiny checkpoint."""
 import subprocess
 import sys
 from pathlib import Path
@@ -7,9 +7,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_reproduce_quick(tiny_ckpt, tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "reproduce.py"), "--quick", "--ckpt",
+    r = subprocess.run([sys.executable, "-m", "studies.reproduce", "--quick", "--ckpt",
                         str(tiny_ckpt), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("attention_study.md", "quality.md", "bench.md", "scaling.md", "scaling.png"):
         assert (tmp_path / name).stat().st_size > 0, name

@@ -1,4 +1,4 @@
-"""scaling.py runs end to end in --quick mode on a tiny checkpoint, so it cannot rot."""
+"""studies.scaling runs end to end in --quick mode on a tiny checkpoint, so it cannot rot."""
 import json
 import subprocess
 import sys
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import scaling
 from generate import UsageError
+from studies import scaling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,9 +66,9 @@ def test_scaling_without_the_papers_fastgen(tiny_ckpt, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_scaling_cuda_without_gpu_is_one_line(tiny_ckpt, tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "scaling.py"), "--quick", "--ckpt",
+    r = subprocess.run([sys.executable, "-m", "studies.scaling", "--quick", "--ckpt",
                         str(tiny_ckpt), "--device", "cuda", "--out", str(tmp_path / "s")],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         "error: --device cuda asked for, but this machine has no CUDA GPU; use --device cpu")

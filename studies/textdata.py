@@ -9,7 +9,7 @@ documentation, Copyright (c) Python Software Foundation, PSF License Agreement.
 (Lee, Pincombe and Welsh, 2005; ~360k characters), which gensim ships as test
 data (`pip install --no-deps gensim==4.4.0`; gensim itself is never imported).
 
-    from textdata import prompts
+    from studies.textdata import prompts
     ids = prompts(tok, n=30, min_tokens=512, max_tokens=2048, seed=0, source="news")
 """
 from __future__ import annotations

@@ -5,7 +5,8 @@
 # writes lands in results/, and a step that fails or runs out of time is noted in
 # results/gpu_check.txt and the next one runs anyway.
 set -uo pipefail
-cd "$(dirname "$0")"
+# The studies run as modules from the repository root, one folder up.
+cd "$(dirname "$0")/.."
 mkdir -p results
 log=results/gpu_check.txt
 
@@ -29,19 +30,21 @@ step 150 python -m pytest -q tests/test_cuda.py
 
 # 2. Speed against transformers, SmolLM2-135M in bfloat16, prompt 512, batch 1
 #    and 8, eager and compiled (compiling is timed apart), with the roofline.
-step 210 python bench.py --device cuda --dtype bfloat16 --batch 1 8 --runs 3 --idle-wait 0 \
-    --out results/bench_cuda.md
+step 210 python -m studies.bench --device cuda --dtype bfloat16 --batch 1 8 --runs 3 \
+    --idle-wait 0 --out results/bench_cuda.md
 
 # 3. The compiled decode step replayed as a CUDA graph, batch 1.
-step 90 python bench.py --device cuda --dtype bfloat16 --batch 1 --compile only \
+step 90 python -m studies.bench --device cuda --dtype bfloat16 --batch 1 --compile only \
     --compile-mode reduce-overhead --runs 3 --idle-wait 0 --out results/bench_cuda_graphs.md
 
 # 4. Scaling, reduced to one run per cell and eager rows (compiling every cell
 #    takes longer than this check allows): prompt 512 and 8k (cut to 8064 so that
 #    128 new tokens fit), batch 1 and 16 at 2k.
-step 150 python scaling.py --device cuda --dtype bfloat16 --compile none --lengths 512 8192 \
-    --batches 1 16 --profile-tokens 128 --runs 1 --idle-wait 0 --out results/scaling_cuda
+step 150 python -m studies.scaling --device cuda --dtype bfloat16 --compile none \
+    --lengths 512 8192 --batches 1 16 --profile-tokens 128 --runs 1 --idle-wait 0 \
+    --out results/scaling_cuda
 
 # The full sweep with compiled rows, when there is time (minutes per compiled cell):
-#   python scaling.py --device cuda --dtype bfloat16 --idle-wait 0 --out results/scaling_cuda_full
+#   python -m studies.scaling --device cuda --dtype bfloat16 --idle-wait 0 \
+#       --out results/scaling_cuda_full
 echo "done; results/gpu_check.txt, results/bench_cuda*.md, results/scaling_cuda.*" | tee -a "$log"

@@ -1,9 +1,9 @@
 """Decode and prefill speed of our Llama against HF transformers, and the roofline.
 
-    python bench.py                                # SmolLM2-135M, batch 1 and 8, ~40 min on 2 cores
-    python bench.py --compile none --runs 5 --out bench.md
-    python bench.py --device cuda --dtype bfloat16 --compile-mode reduce-overhead
-    python bench.py --quick --ckpt TINY_CHECKPOINT # a smoke test, seconds
+    python -m studies.bench                        # SmolLM2-135M, batch 1 and 8, ~40 min on 2 cores
+    python -m studies.bench --compile none --runs 5 --out bench.md
+    python -m studies.bench --device cuda --dtype bfloat16 --compile-mode reduce-overhead
+    python -m studies.bench --quick --ckpt TINY_CHECKPOINT # a smoke test, seconds
 
 On the same checkpoint, in one process, with the same torch threads, it times
 HF `generate` (greedy, never stopping early, its DynamicCache) and our
@@ -394,7 +394,7 @@ def bench(args) -> str:
         f"tokens ({prompt}), {args.new_tokens} new tokens, greedy; {args.stat} of {args.runs} "
         f"run(s); compiled rows: torch.compile backend {args.compile_backend}, mode "
         f"{args.compile_mode}",
-        f"Command: `python bench.py {' '.join(args.argv)}`",
+        f"Command: `python -m studies.bench {' '.join(args.argv)}`",
         "",
         "| " + " | ".join(header) + " |",
         "|---|" + "---:|" * (len(header) - 1),
@@ -421,6 +421,7 @@ def bench(args) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
+        prog="python -m studies.bench",
         description="Prefill and decode tokens/s of our Llama (full and FastGen cache, eager "
                     "and compiled) against HF transformers generate, with the memory-bandwidth "
                     "roofline of decoding. Prints a markdown table.")

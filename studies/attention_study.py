@@ -1,8 +1,8 @@
 """Attention structure: recovery vs KV compression per threshold T, the policy
 mix per layer, and whether the profiled policies still hold while decoding.
 
-    python attention_study.py --threads 1     # default model: 628 s on 2 busy CPU cores
-    python attention_study.py --quick --ckpt CKPT --out /tmp/study   # seconds
+    python -m studies.attention_study --threads 1     # default model: 628 s on 2 busy CPU cores
+    python -m studies.attention_study --quick --ckpt CKPT --out /tmp/study   # seconds
 
 1. Sweep. Each prompt is prefilled once, through FastGen caches told to keep
    everything (T = 1): their profiling gives every shortlist policy's recovery
@@ -278,7 +278,7 @@ def main(ckpt=None, out="results", quick=False, n_prompts=30, min_tokens=512, ma
     """Run the study; write attention_study.{md,json} and the PNGs to `out`."""
     from tqdm import tqdm
     from model import load_model
-    from textdata import prompts as text_prompts
+    from studies.textdata import prompts as text_prompts
     from tokenizer import Tokenizer
     if quick:
         # A random tiny model attends almost uniformly: low thresholds, so that
@@ -335,7 +335,7 @@ def main(ckpt=None, out="results", quick=False, n_prompts=30, min_tokens=512, ma
 
 Model `{Path(ckpt).name}` ({model.args.n_layers} layers, {model.args.n_kv_heads} KV heads), float32, batch 1;
 {len(prompts)} prompts of {min(lens)} to {max(lens)} tokens cut from Python's documentation topics
-(`textdata.py`). Machine: {machine()}. Date: {time.strftime('%Y-%m-%d %H:%M')}. Runtime {runtime:.0f} s.
+(`studies/textdata.py`). Machine: {machine()}. Date: {time.strftime('%Y-%m-%d %H:%M')}. Runtime {runtime:.0f} s.
 Command: `{command or 'attention_study.main(...)'}`
 
 ## Recovery vs compression per threshold T
@@ -395,8 +395,10 @@ is below T.
 
 def parse_args(argv=None):
     import argparse
-    p = argparse.ArgumentParser(description="Attention recovery vs KV compression per threshold, "
-                                "policy mix per layer, and recovery while decoding.")
+    p = argparse.ArgumentParser(
+        prog="python -m studies.attention_study",
+        description="Attention recovery vs KV compression per threshold, policy mix per layer, "
+                    "and recovery while decoding.")
     p.add_argument("--quick", action="store_true", help="3 short prompts, T in {0.5, 0.9}, decode "
                    "steps 1 and 3: a smoke test for tiny checkpoints (seconds)")
     p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
@@ -419,4 +421,5 @@ if __name__ == "__main__":
         if a.threads:
             torch.set_num_threads(a.threads)
         main(a.ckpt, a.out, a.quick, a.n_prompts, a.min_tokens, a.max_tokens,
-             n_check=a.n_check, n_decode=a.n_decode, command="python " + " ".join(sys.argv))
+             n_check=a.n_check, n_decode=a.n_decode,
+             command=" ".join(["python -m studies.attention_study", *sys.argv[1:]]))

@@ -1,10 +1,10 @@
 """Quality against KV memory: FastGen and fixed policies at equal KV budget.
 
-    python evaluate.py                 # SmolLM2-135M; 30 windows, 40 passkeys; ~20 min on 2 cores
-    python evaluate.py --quick --ckpt TINY_CHECKPOINT      # a smoke test, seconds
-    python evaluate.py --peer kvpress  # also NVIDIA kvpress, run in its own venv:
+    python -m studies.evaluate           # SmolLM2-135M; 30 windows, 40 passkeys; ~20 min on 2 cores
+    python -m studies.evaluate --quick --ckpt TINY_CHECKPOINT    # a smoke test, seconds
+    python -m studies.evaluate --peer kvpress   # also NVIDIA kvpress, run in its own venv:
         python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5
-    python evaluate.py --passkey-chat --windows 2 --thresholds --budgets \
+    python -m studies.evaluate --passkey-chat --windows 2 --thresholds --budgets \
         --out results/passkey_chat     # the full cache on the ChatML form of the passkeys
 
 Two tasks, each run through every configuration (the full cache; FastGen at
@@ -444,7 +444,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
 
     from model import load_model
     from policies import token_flags
-    from textdata import prompts
+    from studies.textdata import prompts
     from tokenizer import Tokenizer
     if quick:
         windows, prompt_len, new_tokens, passkeys, filler, passkey_tokens = 4, 40, 8, 4, 0, 4
@@ -490,7 +490,7 @@ def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool =
         earlier = json.loads(Path(add_rows).read_text())
         rows |= {n: r for n, r in earlier["rows"].items() if n not in rows}
     meta = dict(machine=machine(), torch=torch.__version__, date=datetime.date.today().isoformat(),
-                command=command or "python evaluate.py" + (" --quick" if quick else ""),
+                command=command or "python -m studies.evaluate" + (" --quick" if quick else ""),
                 model=Path(ckpt).name, windows=windows, prompt_len=prompt_len,
                 new_tokens=new_tokens, seed=seed, passkeys=passkeys,
                 passkey_len=max([len(c[0]) for c in cases], default=0), passkey_tokens=passkey_tokens,
@@ -517,8 +517,10 @@ def render(out: str) -> dict:
 
 def parse_args(argv=None):
     import argparse
-    p = argparse.ArgumentParser(description="Quality (KL, top-1, perplexity, passkey) against "
-                                "the KV bytes really allocated: FastGen vs fixed policies.")
+    p = argparse.ArgumentParser(
+        prog="python -m studies.evaluate",
+        description="Quality (KL, top-1, perplexity, passkey) against the KV bytes really "
+                    "allocated: FastGen vs fixed policies.")
     p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None, help="output path without suffix; writes .md, .json, "
                    ".png (default results/quality, or results/quality_quick with --quick)")
@@ -577,7 +579,7 @@ if __name__ == "__main__":
         kwargs = {k: v for k, v in vars(a).items() if v is not None and k != "render"}
         kwargs["out"] = a.out or ("results/quality_quick" if a.quick else "results/quality")
         rows = render(kwargs["out"]) if a.render else \
-            main(command="python " + " ".join(sys.argv), **kwargs)
+            main(command=" ".join(["python -m studies.evaluate", *sys.argv[1:]]), **kwargs)
     for name, r in rows.items():
         print(f"{name:30s} share {r['share']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}  "
               f"ppl {r['ppl']:.2f}  passkey {r.get('pk_acc', float('nan')):.2f}")

@@ -1,8 +1,8 @@
 """Every measurement of the README's "Results", one command.
 
-    python reproduce.py              # the studies at light settings, about an hour on 2 cores (estimated)
-    python reproduce.py --full       # the README's settings (medians of 3, compiled rows), hours
-    python reproduce.py --quick --ckpt TINY_CHECKPOINT   # a smoke test, seconds
+    python -m studies.reproduce         # light settings, about an hour on 2 cores (estimated)
+    python -m studies.reproduce --full  # the README's settings (medians of 3, compiled rows), hours
+    python -m studies.reproduce --quick --ckpt TINY_CHECKPOINT   # a smoke test, seconds
 
 It runs, one after the other (never side by side: they time things):
 attention_study.py (recovery vs compression, policy mix, decode-time
@@ -20,32 +20,35 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# The studies run as modules of the `studies` package, so from the repository root.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def steps(args) -> tuple[list[tuple[str, list[str]]], list[str]]:
-    """(name, script and its arguments) of each study, and the arguments all take."""
+    """(name, study module and its arguments) of each study, and the arguments all take."""
     out = Path(args.out)
     common = (["--ckpt", args.ckpt] if args.ckpt else []) + (["--quick"] if args.quick else [])
     light = [] if args.full or args.quick else ["--runs", "1"]
     return [
-        ("attention study", ["attention_study.py", "--out", str(out)]),
-        ("quality and passkey", ["evaluate.py", "--out", str(out / "quality"), "--ablation"]
+        ("attention study", ["attention_study", "--out", str(out)]),
+        ("quality and passkey", ["evaluate", "--out", str(out / "quality"), "--ablation"]
          + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else
-            [] if args.quick else ["--peer-rows", str(HERE / "results/kvpress_2026-11-29.json")])),
+            [] if args.quick else ["--peer-rows", str(ROOT / "results/kvpress_2026-11-29.json")])),
         *([] if args.quick else [("quality on news prose", [
-            "evaluate.py", "--out", str(out / "quality_news"), "--text", "news", "--passkeys", "0",
+            "evaluate", "--out", str(out / "quality_news"), "--text", "news", "--passkeys", "0",
             "--paper-thresholds", "0.9", "0.98"])]),
-        ("speed against transformers", ["bench.py", "--out", str(out / "bench.md")]
+        ("speed against transformers", ["bench", "--out", str(out / "bench.md")]
          + (["--compile", "none"] if light else []) + light),
-        ("speed and memory scaling", ["scaling.py", "--out", str(out / "scaling")]
+        ("speed and memory scaling", ["scaling", "--out", str(out / "scaling")]
          + (["--compile", "none"] if light else []) + light),
     ], common
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Run every study behind the README's results, "
-                                "one after the other, writing into --out.")
+    p = argparse.ArgumentParser(
+        prog="python -m studies.reproduce",
+        description="Run every study behind the README's results, one after the other, "
+                    "writing into --out.")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--full", action="store_true", help="the README's settings: medians of 3 "
                    "runs and the compiled rows of bench.py and scaling.py (hours on 2 cores "
@@ -64,10 +67,10 @@ def main(argv=None) -> int:
     todo, common = steps(args)
     t_start = time.perf_counter()
     for i, (name, cmd) in enumerate(todo, 1):
-        cmd = [sys.executable, str(HERE / cmd[0])] + cmd[1:] + common
+        cmd = [sys.executable, "-m", f"studies.{cmd[0]}"] + cmd[1:] + common
         print(f"[{i}/{len(todo)}] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, cwd=ROOT)
         if done.returncode != 0:
             print(f"error: {name} failed (exit {done.returncode}); its output is above",
                   file=sys.stderr)

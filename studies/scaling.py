@@ -1,9 +1,9 @@
 """Speed and memory as the prompt and the batch grow: FastGen, the full cache, transformers.
 
-    python scaling.py                       # SmolLM2-135M, every cell below: hours on 2 cores
-    python scaling.py --compile none --runs 1 --idle-wait 0   # eager only, one run per cell
-    python scaling.py --device cuda --dtype bfloat16 --compile-mode reduce-overhead
-    python scaling.py --quick --ckpt TINY   # a smoke test, seconds
+    python -m studies.scaling                       # SmolLM2-135M, every cell below: hours on 2 cores
+    python -m studies.scaling --compile none --runs 1 --idle-wait 0   # eager only, one run per cell
+    python -m studies.scaling --device cuda --dtype bfloat16 --compile-mode reduce-overhead
+    python -m studies.scaling --quick --ckpt TINY   # a smoke test, seconds
 
 Two sweeps, greedy, prompts of real text (`textdata`, no padding): the prompt
 grows (512, 2k, 4k, 8k tokens at batch 1) and the batch grows (1, 4, 8, 16 at
@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import (MEMORY_NOTE, add_device_args, bandwidth_gbs, check_device_args, load_pair,
-                   machine_info, time_hf, time_ours, wait_until_idle, weight_bytes)
 from generate import UsageError, dense_kv_bytes, flags_of
+from studies.bench import (MEMORY_NOTE, add_device_args, bandwidth_gbs, check_device_args,
+                           load_pair, machine_info, time_hf, time_ours, wait_until_idle,
+                           weight_bytes)
 
 EAGER = ("transformers", "full", "fastgen", "fastgen-paper")
 COMPILED = ("full", "fastgen")  # transformers is measured eager only, as is the paper's FastGen
@@ -85,7 +86,7 @@ def summarize(ts: list[dict]) -> dict:
 
 
 def measure(args) -> dict:
-    from textdata import prompts as text_prompts
+    from studies.textdata import prompts as text_prompts
     from tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
@@ -166,7 +167,7 @@ def measure(args) -> dict:
                 notes=list(dict.fromkeys(notes)),
                 machine=machine_info(args.threads, args.device),
                 date=time.strftime("%Y-%m-%d %H:%M"),
-                command="python scaling.py " + " ".join(args.argv), ckpt=str(args.ckpt),
+                command="python -m studies.scaling " + " ".join(args.argv), ckpt=str(args.ckpt),
                 device=args.device, dtype=args.dtype, compile=args.compile,
                 compile_mode=args.compile_mode, compile_backend=args.compile_backend,
                 runs=args.runs, new_tokens=args.new_tokens, recovery=args.recovery,
@@ -306,10 +307,11 @@ def plot(res: dict, path: Path) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Decode and prefill speed, KV bytes and peak "
-                                "memory of FastGen, our full cache (eager and compiled) and HF "
-                                "transformers as the prompt and the batch grow, and FastGen's "
-                                "profiling share. Writes a markdown table, JSON and a PNG.")
+    p = argparse.ArgumentParser(
+        prog="python -m studies.scaling",
+        description="Decode and prefill speed, KV bytes and peak memory of FastGen, our full "
+                    "cache (eager and compiled) and HF transformers as the prompt and the batch "
+                    "grow, and FastGen's profiling share. Writes a markdown table, JSON and a PNG.")
     p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
                    "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8192],

@@ -1,7 +1,7 @@
 """Tensor parallel against one process: speed, and memory per rank.
 
-    python tp_bench.py --max-new-tokens 64
-    torchrun --nproc-per-node 3 tp_bench.py --max-new-tokens 64
+    python -m studies.tp_bench --max-new-tokens 64
+    torchrun --nproc-per-node 3 -m studies.tp_bench --max-new-tokens 64
 
 Generates (greedy, default model unless --ckpt) after a prompt of real text
 (`textdata.py`) and prints one row per rank: decode and prefill tok/s, the bytes of weights
@@ -49,7 +49,7 @@ def collective_ms(fn, runs: int = 200) -> float:
 
 def bench(ckpt, prompt_len: int, max_new_tokens: int, kv: str):
     from model import load_model
-    from textdata import documents
+    from studies.textdata import documents
     from tokenizer import Tokenizer
     tp.init("cpu")
     if ckpt is None:
@@ -95,7 +95,8 @@ def bench(ckpt, prompt_len: int, max_new_tokens: int, kv: str):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m studies.tp_bench",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="checkpoint folder (default: the default model)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--max-new-tokens", type=int, default=64)

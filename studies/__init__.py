@@ -1,0 +1,1 @@
+"""Studies of the method (quality, speed, memory, attention), each run as python -m studies.NAME."""
