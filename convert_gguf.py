@@ -9,6 +9,7 @@ tokenizer.json or tokenizer.model, ...), so a GGUF travels the same loading path
 """
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -60,6 +61,61 @@ class ConversionError(Exception):
     """The file cannot be converted; the message is meant for the user as is."""
 
 
+class _Damaged(ValueError):
+    """What is wrong with a GGUF's layout or metadata; _reading turns it into a line naming the file."""
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """gguf's reader, with every read checked against the end of the file.
+
+    The reader slices its memory map without bounds checks, so a count or an offset from a damaged
+    header gives it a short or empty array. That fails later as an IndexError far from the cause,
+    or, for an array of numbers that claims more elements than the file holds, never: each empty
+    read advances by nothing, and the loop over the elements runs as many turns as the count says,
+    keeping every empty read in memory.
+    """
+
+    def _get(self, offset, dtype, count=1, *args, **kwargs):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _Damaged(f"it has {len(self.data)} bytes, but its header or tensor table points to byte {end}")
+        return super()._get(offset, dtype, count, *args, **kwargs)
+
+    def _get_field_parts(self, orig_offs, raw_type, *args, **kwargs):
+        # Every element of an array takes at least one byte, so a longer array cannot be in the file.
+        # Saying so at once spares reading a large file element by element up to its end.
+        if raw_type == gguf.GGUFValueType.ARRAY:
+            count = int(self._get(orig_offs + 4, np.uint64)[0])  # after the element type, a uint32
+            if count > len(self.data) - orig_offs:
+                raise _Damaged(f"an array at byte {orig_offs} claims {count} elements, more than "
+                               f"the file's {len(self.data)} bytes hold")
+        return super()._get_field_parts(orig_offs, raw_type, *args, **kwargs)
+
+
+# What reading a damaged file raises: in the gguf reader (numpy slicing, enum lookups, UTF-8 names,
+# the memory map), in metadata of the wrong type or length (a list where a number belongs, an id
+# past the vocabulary) and in numpy's reshapes of tensors whose shape the data does not fill.
+# _reading wraps only reading, so an OSError there is the file's, never the cache folder's.
+READ_ERRORS = (ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError, OSError)
+
+
+def _first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _reading(path):
+    """A failure to read path as a GGUF becomes ConversionError, one line that names the file."""
+    try:
+        yield
+    except READ_ERRORS as e:
+        raise ConversionError(f"{path} is not a readable GGUF file ({_first_line(e)})") from None
+    except MemoryError:  # a count from a damaged header, or a model larger than this machine's memory
+        raise ConversionError(f"{path} needs more memory to read than this machine has; either its header "
+                              "is damaged or the model's float32 weights do not fit") from None
+
+
 def _meta(reader, key, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -71,6 +127,16 @@ def _required(reader, key):
     return value
 
 
+def _size(reader, key, default=None):
+    """A size from the metadata: a positive whole number, or default when the key is absent."""
+    value = _meta(reader, key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _Damaged(f"its {key} is {value!r}, not a positive whole number")
+    return value
+
+
 def _shortest(x):
     # GGUF stores floats as float32, so 1e-5 comes back as 9.999999747378752e-06. The shortest
     # decimal that rounds to the same float32 is what the original config.json said.
@@ -78,32 +144,41 @@ def _shortest(x):
 
 
 def open_gguf(path):
-    """A GGUFReader for path; 'not a GGUF' and 'not a Llama' become ConversionError."""
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, KeyError) as e:  # bad magic, empty or truncated file
-        raise ConversionError(f"{path} is not a readable GGUF file ({e})") from None
-    if (arch := _meta(reader, "general.architecture")) != "llama":
+    """A GGUFReader for path; 'not a GGUF' and 'not a Llama' become ConversionError.
+
+    The header, the metadata and the tensor table are read here; the tensor data and the metadata's
+    values are read later, by the callers, which should do so under _reading(path) as convert() does.
+    """
+    with _reading(path):
+        reader = _CheckedReader(path)
+        arch = _meta(reader, "general.architecture")
+    if arch != "llama":
         raise ConversionError(f"{path} has architecture {arch!r}; only 'llama' can be converted")
     return reader
 
 
 def build_config(reader):
     """A standard HF LlamaConfig dict from the GGUF's `llama.*` metadata."""
-    n_head, dim = _required(reader, "llama.attention.head_count"), _required(reader, "llama.embedding_length")
+    def size(key):
+        _required(reader, key)
+        return _size(reader, key)
+
+    # Sizes are checked here because a zero from a damaged header would fail further on as a
+    # division by zero, which is no reading error, or reach the loader as a model of no layers.
+    n_head, dim = size("llama.attention.head_count"), size("llama.embedding_length")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": dim,
-        "intermediate_size": _required(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _required(reader, "llama.block_count"),
+        "intermediate_size": size("llama.feed_forward_length"),
+        "num_hidden_layers": size("llama.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": _meta(reader, "llama.attention.head_count_kv", n_head),
-        "head_dim": _meta(reader, "llama.attention.key_length", dim // n_head),
+        "num_key_value_heads": _size(reader, "llama.attention.head_count_kv", n_head),
+        "head_dim": _size(reader, "llama.attention.key_length", dim // n_head),
         "rms_norm_eps": _shortest(_required(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": _shortest(_meta(reader, "llama.rope.freq_base", 10000.0)),
-        "vocab_size": _meta(reader, "llama.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens")),
-        "max_position_embeddings": _required(reader, "llama.context_length"),
+        "vocab_size": _size(reader, "llama.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens")),
+        "max_position_embeddings": size("llama.context_length"),
         # llama.cpp writes no output.weight when the LM head reuses the embedding.
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
@@ -176,7 +251,10 @@ def build_tokenizer(reader):
 
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    try:
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
+        raise _Damaged(f"its merges do not fit its vocabulary: {_first_line(e)}") from None
 
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if (pre := _meta(reader, "tokenizer.ggml.pre", "gpt2")) in DIGITS_FIRST:
@@ -279,19 +357,28 @@ def convert(gguf_path, out_dir, progress=True):
     if out_dir.exists() and not (out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= ours):
         raise ConversionError(f"{out_dir} exists and is not a converted checkpoint; not replacing it")
     reader = open_gguf(gguf_path)
-    kind = tokenizer_kind(reader)
-    config = build_config(reader)
+    # The file is read under _reading and apart from the writing, so that its failures, OSError
+    # among them, are told from those of the cache folder. The metadata comes first: it is quick to
+    # read, and a damaged one fails before any folder exists. The folder is made before the slow
+    # part, so that one that cannot be written says so at once.
+    with _reading(gguf_path):
+        kind = tokenizer_kind(reader)
+        config = build_config(reader)
+        tokenizer = build_tokenizer(reader) if kind == "gpt2" else build_sentencepiece(reader)
+        tok_config = tokenizer_config(reader)
     tmp = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        save_file(convert_tensors(reader, config, progress), tmp / "model.safetensors", metadata={"format": "pt"})
+        with _reading(gguf_path):
+            tensors = convert_tensors(reader, config, progress)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if kind == "gpt2":
-            build_tokenizer(reader).save(str(tmp / "tokenizer.json"))
+            tokenizer.save(str(tmp / "tokenizer.json"))
         else:
-            (tmp / "tokenizer.model").write_bytes(build_sentencepiece(reader))
+            (tmp / "tokenizer.model").write_bytes(tokenizer)
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(reader))
+        _write_json(tmp / "tokenizer_config.json", tok_config)
         _write_json(tmp / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id")})
         files = {name: (tmp / name).stat().st_size for name in sorted(OUTPUTS | {TOKENIZER_FILES[kind]})}
         _write_json(tmp / MANIFEST, {"source": str(gguf_path), "source_size": gguf_path.stat().st_size, "files": files})

@@ -3,6 +3,8 @@ give the logits of their dequantized weights, both tokenizer kinds survive, and 
 matches transformers' own GGUF loader."""
 
 import json
+import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -369,6 +371,153 @@ def test_cli(tiny_gguf, tmp_path):
         assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
     ok = run_cli("--quiet", path, tmp_path / "o")
     assert ok.returncode == 0 and check_converted(tmp_path / "o", path) is None
+
+
+# --- damaged files ------------------------------------------------------------------------------
+
+GGUF_V3 = b"GGUF" + struct.pack("<I", 3)  # what a file must start with to reach the gguf reader
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory):
+    """A valid tiny GGUF's bytes, and a gguf reader over it to find where each part lies."""
+    path = tmp_path_factory.mktemp("valid") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path.read_bytes(), gguf.GGUFReader(path)
+
+
+def byte_of(field, part):
+    """Where a reader field's part-th part starts in the file."""
+    return field.offset + sum(int(p.nbytes) for p in field.parts[:part])
+
+
+def patched(data, at, new):
+    return data[:at] + new + data[at + len(new):]
+
+
+def value_of(reader, key):
+    field = reader.fields[key]
+    return byte_of(field, len(field.parts) - 1)  # a number, or the bytes of a string
+
+
+def random_tail(seed):
+    """The right magic and version, then up to 3000 random bytes."""
+    rng = np.random.default_rng(seed)
+    return GGUF_V3 + rng.bytes(int(rng.integers(1, 3000)))
+
+
+CUTS = ["in the counts", "in the metadata", "in the tensor table", "in the data", "by its last byte"]
+
+
+def cut(data, reader, where):
+    """Where a truncated copy ends."""
+    if where == "in the counts":
+        return 20  # in the number of keys, after the magic, the version and the number of tensors
+    if where == "in the metadata":
+        return byte_of(reader.fields["tokenizer.ggml.tokens"], 10)
+    if where == "in the tensor table":
+        return byte_of(reader.tensors[5].field, 3)
+    if where == "in the data":
+        return reader.data_offset + (len(data) - reader.data_offset) // 2
+    return len(data) - 1
+
+
+# Each case makes a damaged file from the valid one's bytes and its reader.
+DAMAGED = {
+    **{f"random bytes, seed {seed}": lambda data, reader, seed=seed: random_tail(seed) for seed in range(8)},
+    "nothing after the version": lambda data, reader: GGUF_V3,
+    "more keys than the file holds": lambda data, reader: patched(data, 16, struct.pack("<Q", len(reader.fields) + 5)),
+    "more tensors than the file holds": lambda data, reader: patched(data, 8, struct.pack("<Q", 10**6)),
+    "absurd key count": lambda data, reader: patched(data, 16, struct.pack("<Q", 2**63)),
+    # The first tensor's data offset, the last thing in its entry of the tensor table.
+    "a tensor past the end": lambda data, reader: patched(data, byte_of(reader.tensors[0].field, 5),
+                                                          struct.pack("<Q", len(data))),
+    "a tensor of an unknown type": lambda data, reader: patched(data, byte_of(reader.tensors[0].field, 4),
+                                                                struct.pack("<I", 999)),
+    # gguf's own reader takes such an array one empty element at a time, for as many turns as the
+    # count says; 2**20 keeps that finite even without the check, and the message shows that the count
+    # was refused before any element was read.
+    "an array longer than the file": lambda data, reader: patched(
+        data, byte_of(reader.fields["tokenizer.ggml.token_type"], 4), struct.pack("<Q", 2**20)),
+    "a key that is not UTF-8": lambda data, reader: patched(
+        data, byte_of(reader.fields["llama.block_count"], 1), b"\xff\xfe"),
+    "an architecture that is not UTF-8": lambda data, reader: patched(
+        data, value_of(reader, "general.architecture"), b"\xff\xfe\xfd\xfc\xfb"),
+    "a head count of zero": lambda data, reader: patched(
+        data, value_of(reader, "llama.attention.head_count"), struct.pack("<I", 0)),
+    "a head count the tensors do not fit": lambda data, reader: patched(
+        data, value_of(reader, "llama.attention.head_count"), struct.pack("<I", 3)),
+    "an end-of-text id past the vocabulary": lambda data, reader: patched(
+        data, value_of(reader, "tokenizer.ggml.eos_token_id"), struct.pack("<I", 10**6)),
+    # Parts 5 and 6 of the merges are the first merge's length and bytes: two pieces outside the vocabulary.
+    "a merge of unknown tokens": lambda data, reader: patched(
+        data, byte_of(reader.fields["tokenizer.ggml.merges"], 6),
+        b"\x01" * (int(reader.fields["tokenizer.ggml.merges"].parts[6].nbytes) - 2) + b" \x01"),
+    **{f"cut {where}": lambda data, reader, where=where: data[:cut(data, reader, where)] for where in CUTS},
+}
+# What the message says where the cause is known: the reader's checks, not numpy's words.
+WORDS = {"a tensor past the end": "but its header or tensor table points to byte",
+         "an array longer than the file": "claims 1048576 elements, more than the file's",
+         "a head count of zero": "its llama.attention.head_count is 0, not a positive whole number",
+         "a merge of unknown tokens": "its merges do not fit its vocabulary"}
+
+
+def assert_nothing_converted(cache):
+    """A failed conversion leaves the cache folder as it was: here, absent or empty."""
+    assert not cache.exists() or sorted(p.name for p in cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_damaged_gguf_is_a_conversion_error_naming_the_file(valid, tmp_path, case):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(DAMAGED[case](*valid))
+    with pytest.raises(convert_gguf.ConversionError) as e:
+        convert_gguf.gguf_checkpoint(path, cache_dir=tmp_path / "cache", progress=False)
+    message = str(e.value)
+    assert f"{path} is not a readable GGUF file (" in message and "\n" not in message, message
+    assert WORDS.get(case, "") in message
+    assert_nothing_converted(tmp_path / "cache")
+
+
+def test_damaged_gguf_through_checkpoint_folder(valid, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTGEN_CACHE", str(tmp_path / "cache"))
+    for seed in range(3):
+        path = tmp_path / f"random{seed}.gguf"
+        path.write_bytes(DAMAGED[f"random bytes, seed {seed}"](*valid))
+        with pytest.raises(convert_gguf.ConversionError, match=f"random{seed}.gguf is not a readable GGUF"):
+            convert_gguf.checkpoint_folder(path, progress=False)
+    assert_nothing_converted(tmp_path / "cache")
+
+
+def test_damaged_copy_of_a_converted_file_is_not_served_from_the_cache(valid, tmp_path):
+    path, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
+    path.write_bytes(valid[0])
+    out = convert_gguf.gguf_checkpoint(path, cache_dir=cache, progress=False)
+    path.write_bytes(DAMAGED["cut in the tensor table"](*valid))
+    for _ in range(2):  # and not on the next run either
+        with pytest.raises(convert_gguf.ConversionError, match="tiny.gguf is not a readable GGUF"):
+            convert_gguf.gguf_checkpoint(path, cache_dir=cache, progress=False)
+    assert [p.name for p in cache.iterdir()] == [out.name]  # no temporary folder
+    assert check_converted(out, path) == "the source GGUF has changed"
+
+
+def test_damaged_gguf_on_the_command_lines(valid, tmp_path):
+    """generate.py, as a user types it, and convert_gguf.py: status 1, one line, no traceback."""
+    (tmp_path / "broken.gguf").write_bytes(DAMAGED["random bytes, seed 0"](*valid))
+    env = {**os.environ, "FASTGEN_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", "broken.gguf", "--prompt", "hi"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("fastgen: converting broken.gguf"), r.stderr
+    assert lines[1].startswith(f"error: {tmp_path / 'broken.gguf'} is not a readable GGUF file ("), r.stderr
+    assert r.stdout == ""
+    assert_nothing_converted(tmp_path / "cache")
+    r = run_cli(tmp_path / "broken.gguf", tmp_path / "out")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / 'broken.gguf'} is not a readable GGUF"), r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["broken.gguf"]  # no out folder, no temporary one
 
 
 # --- the real default model -------------------------------------------------------------------
