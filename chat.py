@@ -10,21 +10,19 @@ first turn; a later turn is not profiled again (see the README).
 """
 from __future__ import annotations
 
-import json
-import signal
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from cache import reserve
-from generate import (CHAT_ROOM, StreamPrinter, UsageError, check_args, compiled_decode, decode,
-                      decode_one_token, dense_kv_bytes, flags_of, load, make_caches, sample)
+from generation import (CacheOptions, compiled_decode, decode, decode_one_token, dense_kv_bytes,
+                        make_caches, sample)
 from tokenizer import TokenizerError
 
 CHUNK = 512  # tokens per call when the full cache takes a turn: bounds the attention matrix;
 # also the step by which the full cache grows.
+CHAT_ROOM = 2048  # compressed caches: tokens of room after the first turn
 
 
 class ConversationFull(Exception):
@@ -64,16 +62,16 @@ class Turn:
 class Chat:
     """A conversation with one model and one cache, turn after turn (batch 1).
 
-    The cache is created by the first turn. The full cache grows with the conversation, in
-    steps of CHUNK tokens, up to the model's context. A compressed cache takes the first turn
-    plus at most CHAT_ROOM tokens; its buckets grow as they fill.
+    The cache that `cache` describes is created by the first turn. The full cache grows with
+    the conversation, in steps of CHUNK tokens, up to the model's context. A compressed cache
+    takes the first turn plus at most CHAT_ROOM tokens; its buckets grow as they fill.
     """
 
-    def __init__(self, model, tok, *, kv="full", max_new_tokens=128, compile=False,
-                 token_flags=None, sampling=None, **cache_options):
-        self.model, self.tok, self.kv = model, tok, kv
+    def __init__(self, model, tok, *, cache: CacheOptions = CacheOptions(), max_new_tokens=128,
+                 compile=False, token_flags=None, sampling=None):
+        self.model, self.tok, self.cache, self.full = model, tok, cache, cache.kv == "full"
         self.max_new_tokens, self.compile = max_new_tokens, compile
-        self.token_flags, self.sampling, self.cache_options = token_flags, sampling or {}, cache_options
+        self.token_flags, self.sampling = token_flags, sampling or {}
         self.device = model.tok_embeddings.weight.device
         self.messages: list[dict] = []
         self.rendered = ""   # the conversation as the template renders it, up to the last answer
@@ -101,7 +99,7 @@ class Chat:
                 f"this turn ({len(fed)} tokens) does not fit: the cache holds {self.length} of the "
                 f"{self.limit} tokens it has room for; write less, or start a new chat")
         n_max = min(self.max_new_tokens, room)
-        if self.kv == "full":
+        if self.full:
             need = -(-(self.length + len(fed) + n_max) // CHUNK) * CHUNK
             for cache in self.model.caches():
                 cache.grow(min(need, self.limit))
@@ -136,24 +134,23 @@ class Chat:
     def start(self, first_len: int):
         """Create the caches for a conversation whose first turn has first_len tokens."""
         context = self.model.args.max_seq_len
-        room = context - first_len if self.kv == "full" else min(CHAT_ROOM, context - first_len)
+        room = context - first_len if self.full else min(CHAT_ROOM, context - first_len)
         if room < 1:
             raise ConversationFull(f"the first turn ({first_len} tokens) fills the model's context "
                                    f"of {context} tokens; write less")
         # The full cache starts empty (grown before each turn); a compressed one takes its room now.
-        self.model.setup_caches(make_caches(self.model, self.kv, [first_len],
-                                            1 - first_len if self.kv == "full" else room,
-                                            self.token_flags, compiled=self.compile,
-                                            **self.cache_options))
+        self.model.setup_caches(make_caches(self.model, self.cache, [first_len],
+                                            1 - first_len if self.full else room,
+                                            self.token_flags, self.compile))
         # The full cache holds positions 0 .. context-1; a compressed one is built for
         # first_len + room - 1 tokens seen (FastGenCache's max_new_tokens counts the last
         # token, which is sampled and never fed).
-        self.limit = first_len + room - (self.kv != "full")
+        self.limit = first_len + room - (not self.full)
 
     def feed(self, ids: list[int], first: bool):
         """Put ids into the cache after what it holds; returns the token sampled after them."""
         model, start = self.model, self.length
-        if self.kv != "full" and not first:
+        if not self.full and not first:
             step = compiled_decode() if self.compile else decode_one_token
             for i, t in enumerate(ids):
                 reserve(model.caches())
@@ -161,7 +158,7 @@ class Chat:
                            torch.tensor([[start + i]], device=self.device), **self.sampling)
             return cur
         # The full cache in chunks; a compressed cache's first turn in one call, which profiles it.
-        chunk = CHUNK if self.kv == "full" else len(ids)
+        chunk = CHUNK if self.full else len(ids)
         for i in range(0, len(ids), chunk):
             part = torch.tensor([ids[i:i + chunk]], device=self.device)
             pos = torch.arange(start + i, start + i + part.shape[1], device=self.device)[None]
@@ -171,69 +168,10 @@ class Chat:
     def stats(self, fed, out, reply, prefill_s, decode_s, steps, compile_s, first, **flags) -> Turn:
         caches, a = self.model.caches(), self.model.args
         seen = a.n_layers * a.n_kv_heads * self.length
-        full = self.kv == "full"
         turn = Turn(fed, out, reply, prefill_s, decode_s, steps - (1 if self.compile and steps else 0),
-                    self.length, seen if full else sum(c.kept() for c in caches), seen,
+                    self.length, seen if self.full else sum(c.kept() for c in caches), seen,
                     sum(c.nbytes() for c in caches), dense_kv_bytes(self.model, 1, self.length),
                     compile_s, **flags)
-        if first and not full:
+        if first and not self.full:
             turn.plan = [[repr(p) for p in c.plan()] for c in caches]
         return turn
-
-
-def interactive(prompt=None, *, json_lines=False, prompt_file=None, save_plan=None, ckpt=None,
-                max_new_tokens=128, temperature=0.0, top_k=None, top_p=1.0, seed=0,
-                device="cpu", dtype="float32", compile=False, chat=True, kv="full",
-                recovery=None, r_local=0.3, r_frequent=0.3, kv_budget=None,
-                allow_pickle=False, **fastgen_options) -> int:
-    """The chat loop of `generate.py --interactive`: one user turn per line of standard input.
-    The answer streams to stdout (or, with json_lines, one JSON object per turn); the cache's
-    state after each turn goes to stderr. Returns the exit status."""
-    if prompt or prompt_file or save_plan:
-        raise UsageError("--interactive reads its turns from standard input; drop --prompt, "
-                         "--prompt-file and --save-plan")
-    check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-               kv_budget, kv, device, dtype, seed)
-    torch.manual_seed(seed)
-    model, tok = load(ckpt, dtype, device, allow_pickle)
-    if not tok.chat_template:
-        raise TokenizerError("this checkpoint has no chat template (tokenizer_config.json has no "
-                             "chat_template); --interactive needs an instruct model")
-    session = Chat(model, tok, kv=kv, max_new_tokens=max_new_tokens, compile=compile,
-                   token_flags=flags_of(model, tok) if kv != "full" else None,
-                   sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p),
-                   **({} if kv == "full" else dict(recovery=recovery, r_local=r_local,
-                                                   r_frequent=r_frequent, kv_budget=kv_budget,
-                                                   **fastgen_options)))
-    number = 0
-    while True:
-        print("> ", end="", file=sys.stderr, flush=True)
-        try:
-            line = input()
-        except EOFError:  # Ctrl-D, or the end of piped input
-            print(file=sys.stderr)
-            return 0
-        except KeyboardInterrupt:  # Ctrl-C at the prompt (not during an answer) ends the chat
-            print(file=sys.stderr)
-            return 130
-        if not line.strip():
-            continue
-        # Ctrl-C during an answer only raises a flag; the answer stops between two decode
-        # steps, so no layer's cache is left with a token the others lack.
-        stopped = []
-        previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
-        printer = None if json_lines else StreamPrinter(tok)
-        try:
-            turn = session.turn(line, on_token=printer, stop=lambda: bool(stopped))
-        except ConversationFull as e:
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        finally:
-            signal.signal(signal.SIGINT, previous)
-            if printer:
-                printer.finish()
-        number += 1
-        if json_lines:
-            print(json.dumps(asdict(turn)), flush=True)
-        else:
-            print(turn.summary(number), file=sys.stderr)

@@ -1,30 +1,28 @@
-"""Generate text with a Llama whose KV cache is full or FastGen-compressed.
+"""Generate text with a Llama whose KV cache is full or FastGen-compressed: the command line.
 
     python generate.py --prompt "The capital of France is"
     python generate.py --chat --prompt "Name three rivers." --kv fastgen --kv-budget 0.5
     python generate.py --ckpt model.Q8_0.gguf --interactive --kv fastgen
 
-`main(...)` is also the Python API; it returns a `Generation`.
+`main(...)` is also the Python API: it loads a checkpoint and returns a `Generation`.
+The loop itself (`generate`, `score`, `CacheOptions`) is generation.py; the chat, chat.py.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
 import tp
-from cache import fastgen_caches, reserve
-from model import KVCache, Transformer
-from policies import SnapKV, baseline, menu, shortlist
-
-KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CHAT_ROOM = 2048  # --interactive, compressed caches: tokens of room after the first turn
+from chat import CHAT_ROOM, Chat, ConversationFull
+from generation import (DTYPES, KV_KINDS, CacheOptions, Generation, dense_kv_bytes, flags_of,
+                        generate, load)
+from tokenizer import TokenizerError
 
 
 class UsageError(Exception):
@@ -33,292 +31,6 @@ class UsageError(Exception):
 
 class OutOfMemory(Exception):
     """Generation ran out of memory; the message says how big the cache was and what to lower."""
-
-
-# --- Sampling ---------------------------------------------------------------
-
-def sample(logits, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0):
-    """(B, V) logits -> (B,) token ids. Temperature 0 is greedy."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    probs = logits.softmax(dim=-1)
-    if top_p < 1.0:
-        # Keep the smallest set of tokens whose probability reaches top_p.
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-    # Sampling by the exponential race: no host sync, compiles cleanly.
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
-
-
-# --- Generation -------------------------------------------------------------
-
-def prefill(model: Transformer, tokens, prompt_lens, **sampling):
-    """Run the padded prompts (B, T); return the first generated token (B, 1)."""
-    B, T = tokens.shape
-    logits = model(tokens, torch.arange(T, device=tokens.device).expand(B, T),
-                   logits_at=prompt_lens - 1)
-    return sample(logits[:, 0], **sampling)[:, None]
-
-
-def decode_one_token(model: Transformer, token, input_pos, **sampling):
-    """token, input_pos: (B, 1) -> next token (B, 1)."""
-    return sample(model(token, input_pos)[:, -1], **sampling)[:, None]
-
-
-_compiled_decode: dict = {}
-
-
-def compiled_decode(mode: str | None = None, backend: str = "inductor"):
-    """`decode_one_token` under torch.compile, built once per (mode, backend). Mode
-    "reduce-overhead" replays the step as a CUDA graph; backend "aot_eager" traces
-    without generating kernels, which tests use because it compiles in seconds."""
-    if (mode, backend) not in _compiled_decode:
-        # Each batch size and cache kind is one more compiled graph; a benchmark
-        # sweeping them needs more than dynamo's default of 8.
-        torch._dynamo.config.recompile_limit = 64
-        # A compressed cache's page pool grows between steps, and marks its size
-        # dynamic; dynamo ignores that for module buffers unless told otherwise.
-        torch._dynamo.config.force_parameter_static_shapes = False
-        _compiled_decode[mode, backend] = torch.compile(decode_one_token, fullgraph=True,
-                                                        mode=mode, backend=backend)
-    return _compiled_decode[mode, backend]
-
-
-def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bool = False,
-           compile_options: dict | None = None, **sampling):
-    """Decode from `cur` (B, 1) at `input_pos` (B, 1), advanced in place, until `emit(cur)`
-    says every sequence is done or `max_steps` steps are taken. With `compile`, the step
-    is `compiled_decode(**compile_options)`.
-
-    Returns (steps, decode_s, compile_s, interrupted). A Ctrl-C stops decoding and keeps what
-    was made; a caller that must keep its cache consistent stops through `emit` instead,
-    between steps (see chat.py).
-    """
-    device = model.tok_embeddings.weight.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step = compiled_decode(**(compile_options or {})) if compile else decode_one_token
-    decode_s = compile_s = 0.0
-    steps = 0
-    try:
-        finished = False
-        while not finished and steps < max_steps:
-            t0 = time.perf_counter()
-            reserve(model.caches())
-            cur = step(model, cur, input_pos, **sampling)
-            sync()
-            elapsed = time.perf_counter() - t0
-            if compile and steps == 0:
-                compile_s = elapsed  # the first call compiles; it is not a decode speed
-            else:
-                decode_s += elapsed
-            steps += 1
-            input_pos += 1
-            finished = emit(cur)
-    except KeyboardInterrupt:
-        if tp.world() > 1:
-            raise  # the ranks may have stopped at different steps: no more collectives
-        return steps, decode_s, compile_s, True  # keep what was generated so far
-    return steps, decode_s, compile_s, False
-
-
-def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
-    """Bytes the full cache allocates for this batch: K and V, every layer."""
-    a = model.args
-    elem = model.tok_embeddings.weight.element_size()
-    return 2 * a.n_layers * batch * a.n_kv_heads * max_len * a.head_dim * elem
-
-
-def make_caches(model: Transformer, kv: str, prompt_lens: list[int], max_new_tokens: int,
-                token_flags=None, recovery=None, r_local=0.3, r_frequent=0.3, kv_budget=None,
-                hh_score="mean", obs_window=32, sink_mass="count", paper=False, evict_every=None,
-                compiled=False):
-    """One cache per layer: dense for `full`, compressed for the others.
-
-    fastgen: with `recovery` T, the paper's shortlist under that threshold;
-    otherwise the budget mode, the menu of policies under `kv_budget` (default
-    0.5), which measured best (README, Results). `paper` is the paper's literal
-    method (threshold T, default 0.95; heavy hitters by summed attention,
-    profiling over every prompt row, the sink's mass counted); otherwise
-    `hh_score`, `obs_window` (0: every row) and `sink_mass` choose. The fixed
-    policies keep `kv_budget` (default 0.5) of the prompt. Compressed caches
-    evict every `evict_every` steps (default: half a page of the pool, at least
-    cache.EVICT_EVERY = 8 tokens; 1 with `paper`). With `compiled`, the decode
-    step will be compiled, and every layer's pool is laid out for it.
-    """
-    a, w = model.args, model.tok_embeddings.weight
-    if kv == "full":
-        max_len = max(prompt_lens) + max_new_tokens
-        return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
-                for _ in model.layers]
-    if paper:
-        hh_score, obs_window, sink_mass = "sum", 0, "count"
-        evict_every = evict_every or 1
-    evict = dict(evict_every=evict_every, eager=not compiled)
-    options = dict(rows=obs_window or None, sink=sink_mass == "count", **evict)
-    if kv == "fastgen" and (paper or recovery is not None):
-        policies = shortlist(r_local, r_frequent, hh_score)
-        options.update(threshold=0.95 if recovery is None else recovery)
-    elif kv == "fastgen":
-        policies = menu(r_local, r_frequent, hh_score)
-        options.update(budget=0.5 if kv_budget is None else kv_budget)
-    else:  # the fixed policies as their authors define them
-        policy = baseline(kv, 0.5 if kv_budget is None else kv_budget)
-        policies = [policy]
-        options = dict(rows=policy.window if isinstance(policy, SnapKV) else None, **evict)
-    return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options)
-
-
-@dataclass
-class Generation:
-    """What `generate` returns: tokens, timings and what the cache held."""
-    tokens: list[list[int]]             # generated ids per prompt (EOS included if produced)
-    prompt_lens: list[int]
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    compile_s: float = 0.0              # the first compiled step, excluded from decode_s
-    kv_bytes: int = 0                   # allocated by the cache at the end
-    full_kv_bytes: int = 0              # the full cache for the same work
-    kv_bytes_per_rank: list[int] = field(default_factory=list)  # tensor parallel: each rank's
-    kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
-    seen_tokens: int = 0                # the same count for a full cache
-    profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
-    growths: int = 0                    # times a compressed cache grew while decoding
-    plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
-    recovery: list[list[list[float]]] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    interrupted: bool = False           # Ctrl-C stopped decoding; tokens hold what came before
-
-    def speeds(self) -> tuple[float, float]:
-        """Prefill and decode tokens/s (decode over every sequence of the batch)."""
-        return (sum(self.prompt_lens) / max(self.prefill_s, 1e-9),
-                len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9))
-
-    def as_dict(self) -> dict:
-        """Every field, plus the two speeds, as JSON types: what `--json` prints."""
-        prefill_tok_s, decode_tok_s = self.speeds()
-        return asdict(self) | {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s}
-
-    def summary(self) -> str:
-        n_prompt, n_gen = sum(self.prompt_lens), sum(len(t) for t in self.tokens)
-        prefill_tok_s, decode_tok_s = self.speeds()
-        lines = [
-            f"prompt tokens {n_prompt}, generated tokens {n_gen}, batch {len(self.tokens)}",
-            f"prefill {prefill_tok_s:.1f} tok/s ({self.prefill_s:.2f} s), decode "
-            f"{decode_tok_s:.1f} tok/s "
-            f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
-            + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
-            f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
-            + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
-               f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
-               f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%}); "
-               f"{self.growths} growths" if self.plan else "")
-            + (", per rank " + ", ".join(f"{b / 2**20:.2f}" for b in self.kv_bytes_per_rank)
-               + " MiB" if len(self.kv_bytes_per_rank) > 1 else ""),
-        ]
-        if self.profile_s:
-            total = self.prefill_s + self.decode_s
-            share = self.profile_s / total
-            lines.insert(2, f"profiling and compression {self.profile_s:.2f} s ({share:.1%} of "
-                            f"the {total:.2f} s of prefill + decode)")
-        if self.plan:
-            names = list(dict.fromkeys(p for layer in self.plan for p in layer))
-            lines.append("policy count per layer (segments = sequences x KV heads):")
-            for i, name in enumerate(names):
-                lines.append(f"  [{i}] {name}")
-            for l, layer in enumerate(self.plan):
-                counts = "  ".join(f"[{i}] {layer.count(n):2d}" for i, n in enumerate(names))
-                lines.append(f"  layer {l:2d}: {counts}")
-        return "\n".join(lines)
-
-
-@torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
-             kv: str = "full", eos_ids=(), compile: bool = False, compile_options=None,
-             on_token=None, token_flags=None, temperature=0.0, top_k=None, top_p=1.0,
-             **cache_options) -> Generation:
-    """Generate up to `max_new_tokens` for each prompt (token ids), as one batch.
-
-    Prompts are right-padded; each sequence keeps its own positions, so a
-    short prompt never sees padding. `on_token(b, id)` is called for each new
-    token of sequence b as it is produced. `cache_options` go to `make_caches`;
-    `compile_options` (mode, backend) to `compiled_decode`.
-    """
-    device = model.tok_embeddings.weight.device
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    B, lens = len(prompts), [len(p) for p in prompts]
-    T = max(lens)
-    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.tensor(p, device=device)
-    prompt_lens = torch.tensor(lens, device=device)
-    model.setup_caches(make_caches(model, kv, lens, max_new_tokens, token_flags, compiled=compile,
-                                   **cache_options))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-
-    def emit(cur):
-        for b, t in enumerate(cur[:, 0].tolist()):
-            if not done[b]:
-                out[b].append(t)
-                if on_token:
-                    on_token(b, t)
-                done[b] = t in eos_ids
-        return all(done)
-
-    t0 = time.perf_counter()
-    cur = prefill(model, tokens, prompt_lens, **sampling)
-    sync()
-    prefill_s = time.perf_counter() - t0
-    steps, decode_s, compile_s, interrupted = 0, 0.0, 0.0, False
-    if not emit(cur):
-        steps, decode_s, compile_s, interrupted = decode(
-            model, cur, prompt_lens[:, None].clone(), max_new_tokens - 1, emit, compile,
-            compile_options, **sampling)
-    caches = model.caches()
-    gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
-                     compile_s, sum(c.nbytes() for c in caches),
-                     dense_kv_bytes(model, B, T + max_new_tokens))
-    gen.interrupted = interrupted
-    if kv != "full":
-        K = model.args.n_kv_heads
-        gen.kept_tokens = sum(c.kept() for c in caches)
-        gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
-        gen.profile_s = sum(c.profile_s for c in caches)
-        gen.plan = [[repr(p) for p in c.plan()] for c in caches]
-        gen.recovery = [c.recovery.tolist() for c in caches]
-        gen.growths = sum(c.growths() for c in caches)
-    model.setup_caches(None)
-    return tp.gather_stats(gen, B) if tp.world() > 1 else gen
-
-
-@torch.no_grad()
-def score(model: Transformer, prompts: list[list[int]], continuations: list[list[int]], *,
-          kv: str = "full", token_flags=None, **cache_options) -> torch.Tensor:
-    """Teacher-forced logits (B, N, V): for each continuation token, the model's
-    prediction given the prompt and the continuation before it, decoded
-    step by step through the chosen cache. Continuations share one length N."""
-    device = model.tok_embeddings.weight.device
-    B, lens, N = len(prompts), [len(p) for p in prompts], len(continuations[0])
-    tokens = torch.zeros(B, max(lens), dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.tensor(p, device=device)
-    follow = torch.tensor(continuations, device=device)  # (B, N)
-    prompt_lens = torch.tensor(lens, device=device)
-    model.setup_caches(make_caches(model, kv, lens, N, token_flags, **cache_options))
-    logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens))
-    out = [logits[torch.arange(B, device=device), prompt_lens - 1]]
-    for i in range(N - 1):
-        reserve(model.caches())
-        out.append(model(follow[:, i:i + 1], (prompt_lens + i)[:, None])[:, 0])
-    model.setup_caches(None)
-    return torch.stack(out, dim=1)
 
 
 # --- The command line and Python API ---------------------------------------
@@ -343,8 +55,8 @@ def read_prompts(prompt, prompt_file) -> list[str]:
     return prompts
 
 
-def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-               kv_budget, kv, device, dtype, seed=0, save_plan=None):
+def check_args(cache: CacheOptions, max_new_tokens, temperature, top_k, top_p, device, dtype,
+               seed=0, save_plan=None):
     def need(ok, message):
         if not ok:
             raise UsageError(message)
@@ -358,10 +70,10 @@ def check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_f
     need(temperature >= 0, f"--temperature must be >= 0 (got {temperature}); 0 is greedy")
     need(top_k is None or top_k >= 1, f"--top-k must be at least 1 (got {top_k})")
     need(0 < top_p <= 1, f"--top-p must be in (0, 1] (got {top_p})")
-    need(recovery is None or 0 < recovery <= 1, f"--recovery must be in (0, 1] (got {recovery})")
-    for flag, r in (("--r-local", r_local), ("--r-frequent", r_frequent), ("--kv-budget", kv_budget)):
-        need(r is None or 0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
-    need(kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {kv!r})")
+    try:
+        cache.check()
+    except ValueError as e:
+        raise UsageError(e) from None
     check_device(device, dtype)
 
 
@@ -385,28 +97,6 @@ def check_device(device: str, dtype: str) -> None:
                          "use --dtype float32")
 
 
-def load(ckpt: str | None, dtype: str = "float32", device: str = "cpu", allow_pickle: bool = False):
-    """The model and tokenizer of `ckpt`: a checkpoint folder, a GGUF file (converted once into
-    the cache folder) or None for the default model. Under torchrun, this rank's share."""
-    from convert_gguf import checkpoint_folder
-    from tokenizer import Tokenizer
-
-    with tp.same_outcome():  # a GGUF is converted by rank 0 alone, while the others wait
-        folder = checkpoint_folder(ckpt) if tp.rank() == 0 else None
-    with tp.same_outcome():
-        folder = folder or checkpoint_folder(ckpt)
-        model = tp.load_model(folder, DTYPES[dtype], device, allow_pickle)
-        return model, Tokenizer(folder)
-
-
-def flags_of(model: Transformer, tok):
-    """Per-token flags for the Special and Punct policies, from the tokenizer."""
-    from policies import token_flags
-    V = model.args.vocab_size
-    return token_flags(V, [i for i in tok.special_ids if i < V],
-                       [i for i in tok.punctuation_ids() if i < V])
-
-
 def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = None,
          ckpt: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
          top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
@@ -419,7 +109,9 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
 
-    With `stream`, a single prompt's text is printed as it is generated.
+    The cache keywords, `kv` to `evict_every`, are the fields of one
+    generation.CacheOptions, built here. With `stream`, a single prompt's
+    text is printed as it is generated.
     Raises UsageError for bad arguments, model.CheckpointError,
     tokenizer.TokenizerError and convert_gguf.ConversionError for checkpoints
     that cannot be loaded.
@@ -428,17 +120,13 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     same `Generation`; only rank 0 streams. An error on one rank is raised by
     the lowest failing rank, and the others exit with status 1.
     """
+    cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
+                         kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
+                         sink_mass=sink_mass, paper=paper, evict_every=evict_every)
     device = tp.init(device)
     with tp.same_outcome():
-        check_args(max_new_tokens, temperature, top_k, top_p, recovery, r_local, r_frequent,
-                   kv_budget, kv, device, dtype, seed, save_plan)
-        if obs_window < 0:
-            raise UsageError(f"--obs-window must be 0 (every prompt row) or more (got {obs_window})")
-        if evict_every is not None and evict_every < 1:
-            raise UsageError(f"--evict-every must be 1 (every step) or more (got {evict_every})")
-        if kv == "fastgen" and recovery is not None and kv_budget is not None:
-            raise UsageError("--recovery (threshold mode) and --kv-budget (budget mode) choose two "
-                             "different FastGens; give one of them")
+        check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
+                   save_plan)
         texts = read_prompts(prompt, prompt_file)
     # The same seed on every rank: the ranks sample the same tokens from the same logits.
     torch.manual_seed(seed)
@@ -453,15 +141,12 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
                 f"prompt ({longest} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds "
                 f"the model's context of {model.args.max_seq_len} tokens; shorten the prompt "
                 "or lower --max-new-tokens")
-        flags = flags_of(model, tok) if kv != "full" else None
+        flags = flags_of(model, tok) if cache.kv != "full" else None
 
     printer = StreamPrinter(tok) if stream and len(prompts) == 1 and tp.rank() == 0 else None
     try:
-        gen = generate(model, prompts, max_new_tokens, kv=kv, eos_ids=tok.eos_ids,
-                       compile=compile, on_token=printer, token_flags=flags, recovery=recovery,
-                       r_local=r_local, r_frequent=r_frequent, kv_budget=kv_budget,
-                       hh_score=hh_score, obs_window=obs_window, sink_mass=sink_mass, paper=paper,
-                       evict_every=evict_every,
+        gen = generate(model, prompts, max_new_tokens, cache=cache, eos_ids=tok.eos_ids,
+                       compile=compile, on_token=printer, token_flags=flags,
                        temperature=temperature, top_k=top_k, top_p=top_p)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if "memory" not in str(e).lower():
@@ -479,9 +164,9 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     if save_plan and gen.plan and tp.rank() == 0:
         try:
             Path(save_plan).write_text(json.dumps(
-                {"kv": kv, "recovery_threshold": recovery, "prompt_lens": gen.prompt_lens,
-                 "n_kv_heads": model.args.n_kv_heads * tp.world(), "plan": gen.plan,
-                 "recovery": gen.recovery},
+                {"kv": cache.kv, "recovery_threshold": cache.recovery,
+                 "prompt_lens": gen.prompt_lens, "n_kv_heads": model.args.n_kv_heads * tp.world(),
+                 "plan": gen.plan, "recovery": gen.recovery},
                 indent=1))
         except OSError as e:
             raise UsageError(f"cannot write --save-plan {save_plan}: {e.strerror}")
@@ -505,6 +190,57 @@ class StreamPrinter:
 
     def finish(self):
         print(flush=True)
+
+
+def interactive(a) -> int:
+    """The chat loop of --interactive (`a`: the parsed flags): one user turn per line of standard
+    input. The answer streams to stdout (or, with --json, one JSON object per turn); the cache's
+    state after each turn goes to stderr. Returns the exit status."""
+    if a.prompt or a.prompt_file or a.save_plan:
+        raise UsageError("--interactive reads its turns from standard input; drop --prompt, "
+                         "--prompt-file and --save-plan")
+    cache = CacheOptions(**{f.name: getattr(a, f.name) for f in fields(CacheOptions)})
+    check_args(cache, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.device, a.dtype, a.seed)
+    torch.manual_seed(a.seed)
+    model, tok = load(a.ckpt, a.dtype, a.device, a.allow_pickle)
+    if not tok.chat_template:
+        raise TokenizerError("this checkpoint has no chat template (tokenizer_config.json has no "
+                             "chat_template); --interactive needs an instruct model")
+    session = Chat(model, tok, cache=cache, max_new_tokens=a.max_new_tokens, compile=a.compile,
+                   token_flags=flags_of(model, tok) if cache.kv != "full" else None,
+                   sampling=dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p))
+    number = 0
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        try:
+            line = input()
+        except EOFError:  # Ctrl-D, or the end of piped input
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt (not during an answer) ends the chat
+            print(file=sys.stderr)
+            return 130
+        if not line.strip():
+            continue
+        # Ctrl-C during an answer only raises a flag; the answer stops between two decode
+        # steps, so no layer's cache is left with a token the others lack.
+        stopped = []
+        previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+        printer = None if a.json else StreamPrinter(tok)
+        try:
+            turn = session.turn(line, on_token=printer, stop=lambda: bool(stopped))
+        except ConversationFull as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            if printer:
+                printer.finish()
+        number += 1
+        if a.json:
+            print(json.dumps(asdict(turn)), flush=True)
+        else:
+            print(turn.summary(number), file=sys.stderr)
 
 
 def parse_args(argv=None):
@@ -597,7 +333,6 @@ def user_errors() -> tuple[type[Exception], ...]:
     """What a bad checkpoint, tokenizer or machine raises: a one-line message, exit 1."""
     from convert_gguf import ConversionError, ModelNotFound
     from model import CheckpointError
-    from tokenizer import TokenizerError
     return CheckpointError, TokenizerError, ModelNotFound, ConversionError, OutOfMemory
 
 
@@ -630,8 +365,7 @@ def cli(argv=None) -> int:
             with tp.same_outcome():
                 if tp.world() > 1:
                     raise UsageError("--interactive runs in one process; start it without torchrun")
-            from chat import interactive
-            return interactive(a.prompt, json_lines=a.json, **kwargs)
+            return interactive(a)
         gen = main(a.prompt, stream=single, **kwargs)
         done = True
         if tp.rank() != 0:

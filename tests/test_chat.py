@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import generate
+import generation
 from chat import Chat, ConversationFull
-from generate import cli, flags_of, load
+from generate import cli
+from generation import CacheOptions, flags_of, load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def one_generation(tiny_ckpt, conversation, n):
     """The reference: the whole conversation as one prompt, with the full cache."""
     model, tok = load(str(tiny_ckpt))
-    return generate.generate(model, [conversation], n, eos_ids=tok.eos_ids).tokens[0]
+    return generation.generate(model, [conversation], n, eos_ids=tok.eos_ids).tokens[0]
 
 
 def test_two_turns_through_stdin_equal_one_generation(tiny_ckpt):
@@ -39,7 +41,8 @@ def test_two_turns_through_stdin_equal_one_generation(tiny_ckpt):
 
 def chat(tiny_ckpt, kv, **options):
     model, tok = load(str(tiny_ckpt))
-    return Chat(model, tok, kv=kv, max_new_tokens=10, token_flags=flags_of(model, tok), **options)
+    return Chat(model, tok, cache=CacheOptions(kv, **options), max_new_tokens=10,
+                token_flags=flags_of(model, tok))
 
 
 def test_compressed_cache_keeping_everything_equals_the_full_cache(tiny_ckpt):

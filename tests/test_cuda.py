@@ -4,7 +4,8 @@ a GPU; studies/gpu_check.sh runs it."""
 import pytest
 import torch
 
-from generate import flags_of, generate, load, main
+from generate import main
+from generation import CacheOptions, flags_of, generate, load
 from test_generate import GOLDEN
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,8 +32,9 @@ def test_same_tokens_plan_and_bytes_as_the_cpu(tiny_ckpt, kv):
 def test_compiled_decode_equals_eager(tiny_ckpt, kv, mode):
     model, tok = load(str(tiny_ckpt), device=DEVICE)
     prompts, flags = [tok.encode(p) for p in PROMPTS], flags_of(model, tok)
-    eager = generate(model, prompts, 8, kv=kv, token_flags=flags)
-    compiled = generate(model, prompts, 8, kv=kv, token_flags=flags, compile=True,
+    cache = CacheOptions(kv)
+    eager = generate(model, prompts, 8, cache=cache, token_flags=flags)
+    compiled = generate(model, prompts, 8, cache=cache, token_flags=flags, compile=True,
                         compile_options=dict(mode=mode))
     assert compiled.tokens == eager.tokens and compiled.compile_s > 0
 

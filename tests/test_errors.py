@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import generate
+import generation
 from generate import cli, main
 from model import CheckpointError, load_model
 
@@ -79,8 +80,8 @@ def test_ctrl_c_keeps_the_text_so_far(tiny_ckpt, capsys, monkeypatch):
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    real_step = generate.decode_one_token
-    monkeypatch.setattr(generate, "decode_one_token", interrupted_step)
+    real_step = generation.decode_one_token
+    monkeypatch.setattr(generation, "decode_one_token", interrupted_step)
     status, out, err = run(capsys, "--ckpt", str(tiny_ckpt), "--prompt", "Hello, world",
                            "--max-new-tokens", "12")
     assert status == 130 and "interrupted" in err

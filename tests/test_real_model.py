@@ -5,7 +5,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from generate import generate, score
+from generation import CacheOptions, generate, score
 from model import load_model
 from policies import token_flags
 from tokenizer import Tokenizer
@@ -58,10 +58,11 @@ def test_fastgen_saves_memory_and_keeps_greedy_tokens(real):
     prompts = long_prompts(tok)
     flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
     full = generate(model, prompts, 16)
-    fast = generate(model, prompts, 16, kv="fastgen", recovery=0.95, token_flags=flags)
+    fastgen = CacheOptions("fastgen", recovery=0.95)
+    fast = generate(model, prompts, 16, cache=fastgen, token_flags=flags)
     # Teacher-forced on the full cache's continuation: does FastGen predict the
     # same next token at each of the 16 steps?
-    forced = score(model, prompts, full.tokens, kv="fastgen", recovery=0.95, token_flags=flags)
+    forced = score(model, prompts, full.tokens, cache=fastgen, token_flags=flags)
     agree = (forced.argmax(-1) == torch.tensor(full.tokens)).float().mean().item()
     same = sum(a == b for a, b in zip(fast.tokens, full.tokens))
     print(f"\nFastGen T=0.95: {fast.kv_bytes / full.kv_bytes:.1%} of the full cache's KV bytes; "

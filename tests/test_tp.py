@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import cache
+import pool
 from conftest import save_tiny_hf, save_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,14 +67,16 @@ def ckpts(tmp_path_factory):
 
 def work(ckpt):
     """What every run computes: teacher-forced logits and greedy generations."""
-    from generate import main, score
+    from generate import main
+    from generation import CacheOptions, score
     from tokenizer import Tokenizer
     import tp
 
     model = tp.load_model(ckpt)  # this rank's share
     prompts = [Tokenizer(ckpt).encode(p) for p in PROMPTS]
-    result = {"logits": score(model, prompts, FOLLOW, kv="full"),
-              "logits_fastgen": score(model, prompts, FOLLOW, kv="fastgen", recovery=0.9)}
+    result = {"logits": score(model, prompts, FOLLOW),
+              "logits_fastgen": score(model, prompts, FOLLOW,
+                                      cache=CacheOptions("fastgen", recovery=0.9))}
     for kv in KINDS:
         gen = main(PROMPTS, ckpt=str(ckpt), max_new_tokens=NEW, kv=kv, recovery=0.9)
         result[kv] = {k: getattr(gen, k) for k in
@@ -91,7 +93,7 @@ def test_tensor_parallel_equals_one_process(ckpts, tmp_path, kv_heads, n, monkey
     out = tmp_path / "tp.pt"
     r = torchrun(n, __file__, "work", ckpts[kv_heads], out)
     assert r.returncode == 0, r.stderr
-    monkeypatch.setattr(cache, "MASKED_SCORES", PAGED)
+    monkeypatch.setattr(pool, "MASKED_SCORES", PAGED)
     got, want = torch.load(out), work(ckpts[kv_heads])
     for key in ("logits", "logits_fastgen"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
@@ -160,11 +162,12 @@ def test_ctrl_c_ends_all_ranks(ckpts):
 def worker(task, ckpt, out=None):
     """Runs on each rank under torchrun."""
     import generate
+    import generation
     import model
     import tp
     tp.init("cpu")
     if task == "work":
-        cache.MASKED_SCORES = PAGED
+        pool.MASKED_SCORES = PAGED
         result = work(ckpt)
         if tp.rank() == 0:
             torch.save(result, out)
@@ -177,7 +180,7 @@ def worker(task, ckpt, out=None):
     if tp.rank() == 1 and task == "fail_decode":
         def no_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("out of memory (simulated)")
-        generate.decode_one_token = no_memory
+        generation.decode_one_token = no_memory
     return generate.cli(["--ckpt", ckpt, "--prompt", "Hello", "--max-new-tokens", "5"])
 
 

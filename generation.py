@@ -1,0 +1,377 @@
+"""The decode loop and its Python API: load a checkpoint, generate, score.
+
+    from generation import CacheOptions, flags_of, generate, load
+    model, tok = load(None)  # the default model; or a checkpoint folder, or a GGUF file
+    gen = generate(model, [tok.encode("Once upon a time")], 64, eos_ids=tok.eos_ids,
+                   cache=CacheOptions("fastgen", kv_budget=0.5), token_flags=flags_of(model, tok))
+
+`generate` runs a batch of prompts through one prefill and a decode loop of
+free functions (`prefill`, `decode_one_token`, `decode`), with the cache that
+`CacheOptions` describes; `score` returns teacher-forced logits through the
+same cache. generate.py is the command line on top, chat.py a conversation.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import KW_ONLY, asdict, dataclass, field, replace
+
+import torch
+
+import tp
+from cache import fastgen_caches, reserve
+from model import KVCache, Transformer
+from policies import SnapKV, baseline, menu, shortlist, token_flags
+
+KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# --- Sampling ---------------------------------------------------------------
+
+def sample(logits, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0):
+    """(B, V) logits -> (B,) token ids. Temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = logits.softmax(dim=-1)
+    if top_p < 1.0:
+        # Keep the smallest set of tokens whose probability reaches top_p.
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+    # Sampling by the exponential race: no host sync, compiles cleanly.
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+# --- The decode loop ---------------------------------------------------------
+
+def prefill(model: Transformer, tokens, prompt_lens, **sampling):
+    """Run the padded prompts (B, T); return the first generated token (B, 1)."""
+    B, T = tokens.shape
+    logits = model(tokens, torch.arange(T, device=tokens.device).expand(B, T),
+                   logits_at=prompt_lens - 1)
+    return sample(logits[:, 0], **sampling)[:, None]
+
+
+def decode_one_token(model: Transformer, token, input_pos, **sampling):
+    """token, input_pos: (B, 1) -> next token (B, 1)."""
+    return sample(model(token, input_pos)[:, -1], **sampling)[:, None]
+
+
+_compiled_decode: dict = {}
+
+
+def compiled_decode(mode: str | None = None, backend: str = "inductor"):
+    """`decode_one_token` under torch.compile, built once per (mode, backend). Mode
+    "reduce-overhead" replays the step as a CUDA graph; backend "aot_eager" traces
+    without generating kernels, which tests use because it compiles in seconds."""
+    if (mode, backend) not in _compiled_decode:
+        # Each batch size and cache kind is one more compiled graph; a benchmark
+        # sweeping them needs more than dynamo's default of 8.
+        torch._dynamo.config.recompile_limit = 64
+        # A compressed cache's page pool grows between steps, and marks its size
+        # dynamic; dynamo ignores that for module buffers unless told otherwise.
+        torch._dynamo.config.force_parameter_static_shapes = False
+        _compiled_decode[mode, backend] = torch.compile(decode_one_token, fullgraph=True,
+                                                        mode=mode, backend=backend)
+    return _compiled_decode[mode, backend]
+
+
+def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bool = False,
+           compile_options: dict | None = None, **sampling):
+    """Decode from `cur` (B, 1) at `input_pos` (B, 1), advanced in place, until `emit(cur)`
+    says every sequence is done or `max_steps` steps are taken. With `compile`, the step
+    is `compiled_decode(**compile_options)`.
+
+    Returns (steps, decode_s, compile_s, interrupted). A Ctrl-C stops decoding and keeps what
+    was made; a caller that must keep its cache consistent stops through `emit` instead,
+    between steps (see chat.py).
+    """
+    device = model.tok_embeddings.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step = compiled_decode(**(compile_options or {})) if compile else decode_one_token
+    decode_s = compile_s = 0.0
+    steps = 0
+    try:
+        finished = False
+        while not finished and steps < max_steps:
+            t0 = time.perf_counter()
+            reserve(model.caches())
+            cur = step(model, cur, input_pos, **sampling)
+            sync()
+            elapsed = time.perf_counter() - t0
+            if compile and steps == 0:
+                compile_s = elapsed  # the first call compiles; it is not a decode speed
+            else:
+                decode_s += elapsed
+            steps += 1
+            input_pos += 1
+            finished = emit(cur)
+    except KeyboardInterrupt:
+        if tp.world() > 1:
+            raise  # the ranks may have stopped at different steps: no more collectives
+        return steps, decode_s, compile_s, True  # keep what was generated so far
+    return steps, decode_s, compile_s, False
+
+
+# --- Caches -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Which cache to decode with and how it compresses: the command line's cache flags
+    (`--kv`, `--recovery`, ...; see generate.py --help), built once and passed down."""
+    kv: str = "full"                  # one of KV_KINDS
+    _: KW_ONLY
+    recovery: float | None = None     # fastgen: threshold mode, the paper's (T)
+    r_local: float = 0.3              # fastgen: Local window, share of the prompt
+    r_frequent: float = 0.3           # fastgen: heavy-hitter budget, share of the tokens seen
+    kv_budget: float | None = None    # fastgen: budget mode (default 0.5); the others: share kept
+    hh_score: str = "mean"            # fastgen: heavy hitters by "mean" or "sum" of attention
+    obs_window: int = 32              # fastgen: prompt rows profiled; 0: every row
+    sink_mass: str = "count"          # fastgen: "count" or "drop" the first token's attention
+    paper: bool = False               # fastgen: the paper's literal method
+    evict_every: int | None = None    # compressed caches: steps between evictions
+
+    def check(self):
+        """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
+        def need(ok, message):
+            if not ok:
+                raise ValueError(message)
+        need(self.recovery is None or 0 < self.recovery <= 1,
+             f"--recovery must be in (0, 1] (got {self.recovery})")
+        for flag, r in (("--r-local", self.r_local), ("--r-frequent", self.r_frequent),
+                        ("--kv-budget", self.kv_budget)):
+            need(r is None or 0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
+        need(self.kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {self.kv!r})")
+        need(self.hh_score in ("mean", "sum"),
+             f"--hh-score must be mean or sum (got {self.hh_score!r})")
+        need(self.sink_mass in ("count", "drop"),
+             f"--sink-mass must be count or drop (got {self.sink_mass!r})")
+        need(self.obs_window >= 0,
+             f"--obs-window must be 0 (every prompt row) or more (got {self.obs_window})")
+        need(self.evict_every is None or self.evict_every >= 1,
+             f"--evict-every must be 1 (every step) or more (got {self.evict_every})")
+        two_modes = self.recovery is not None and self.kv_budget is not None
+        need(not (self.kv == "fastgen" and two_modes),
+             "--recovery (threshold mode) and --kv-budget (budget mode) choose two different "
+             "FastGens; give one of them")
+
+
+def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int],
+                max_new_tokens: int, token_flags=None, compiled: bool = False):
+    """One cache per layer: dense for `full`, compressed for the others.
+
+    fastgen: with `recovery` T, the paper's shortlist under that threshold;
+    otherwise the budget mode, the menu of policies under `kv_budget` (default
+    0.5), which measured best (README, Results). `paper` is the paper's literal
+    method (threshold T, default 0.95; heavy hitters by summed attention,
+    profiling over every prompt row, the sink's mass counted); otherwise
+    `hh_score`, `obs_window` (0: every row) and `sink_mass` choose. The fixed
+    policies keep `kv_budget` (default 0.5) of the prompt. Compressed caches
+    evict every `evict_every` steps (default: half a page of the pool, at least
+    cache.EVICT_EVERY = 8 tokens; 1 with `paper`). With `compiled`, the decode
+    step will be compiled, and every layer's pool is laid out for it.
+    """
+    a, w, o = model.args, model.tok_embeddings.weight, options
+    if o.kv == "full":
+        max_len = max(prompt_lens) + max_new_tokens
+        return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
+                for _ in model.layers]
+    if o.paper:
+        o = replace(o, hh_score="sum", obs_window=0, sink_mass="count",
+                    evict_every=o.evict_every or 1)
+    evict = dict(evict_every=o.evict_every, eager=not compiled)
+    kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", **evict)
+    if o.kv == "fastgen" and (o.paper or o.recovery is not None):
+        policies = shortlist(o.r_local, o.r_frequent, o.hh_score)
+        kw.update(threshold=0.95 if o.recovery is None else o.recovery)
+    elif o.kv == "fastgen":
+        policies = menu(o.r_local, o.r_frequent, o.hh_score)
+        kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget)
+    else:  # the fixed policies as their authors define them
+        policy = baseline(o.kv, 0.5 if o.kv_budget is None else o.kv_budget)
+        policies = [policy]
+        kw = dict(rows=policy.window if isinstance(policy, SnapKV) else None, **evict)
+    return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **kw)
+
+
+def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
+    """Bytes the full cache allocates for this batch: K and V, every layer."""
+    a = model.args
+    elem = model.tok_embeddings.weight.element_size()
+    return 2 * a.n_layers * batch * a.n_kv_heads * max_len * a.head_dim * elem
+
+
+# --- Generation and scoring ------------------------------------------------
+
+@dataclass
+class Generation:
+    """What `generate` returns: tokens, timings and what the cache held."""
+    tokens: list[list[int]]             # generated ids per prompt (EOS included if produced)
+    prompt_lens: list[int]
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    compile_s: float = 0.0              # the first compiled step, excluded from decode_s
+    kv_bytes: int = 0                   # allocated by the cache at the end
+    full_kv_bytes: int = 0              # the full cache for the same work
+    kv_bytes_per_rank: list[int] = field(default_factory=list)  # tensor parallel: each rank's
+    kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
+    seen_tokens: int = 0                # the same count for a full cache
+    profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
+    growths: int = 0                    # times a compressed cache grew while decoding
+    plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
+    recovery: list[list[list[float]]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    interrupted: bool = False           # Ctrl-C stopped decoding; tokens hold what came before
+
+    def speeds(self) -> tuple[float, float]:
+        """Prefill and decode tokens/s (decode over every sequence of the batch)."""
+        return (sum(self.prompt_lens) / max(self.prefill_s, 1e-9),
+                len(self.tokens) * self.decode_steps / max(self.decode_s, 1e-9))
+
+    def as_dict(self) -> dict:
+        """Every field, plus the two speeds, as JSON types: what `--json` prints."""
+        prefill_tok_s, decode_tok_s = self.speeds()
+        return asdict(self) | {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s}
+
+    def summary(self) -> str:
+        n_prompt, n_gen = sum(self.prompt_lens), sum(len(t) for t in self.tokens)
+        prefill_tok_s, decode_tok_s = self.speeds()
+        lines = [
+            f"prompt tokens {n_prompt}, generated tokens {n_gen}, batch {len(self.tokens)}",
+            f"prefill {prefill_tok_s:.1f} tok/s ({self.prefill_s:.2f} s), decode "
+            f"{decode_tok_s:.1f} tok/s "
+            f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
+            + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
+            f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
+            + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
+               f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
+               f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%}); "
+               f"{self.growths} growths" if self.plan else "")
+            + (", per rank " + ", ".join(f"{b / 2**20:.2f}" for b in self.kv_bytes_per_rank)
+               + " MiB" if len(self.kv_bytes_per_rank) > 1 else ""),
+        ]
+        if self.profile_s:
+            total = self.prefill_s + self.decode_s
+            share = self.profile_s / total
+            lines.insert(2, f"profiling and compression {self.profile_s:.2f} s ({share:.1%} of "
+                            f"the {total:.2f} s of prefill + decode)")
+        if self.plan:
+            names = list(dict.fromkeys(p for layer in self.plan for p in layer))
+            lines.append("policy count per layer (segments = sequences x KV heads):")
+            for i, name in enumerate(names):
+                lines.append(f"  [{i}] {name}")
+            for l, layer in enumerate(self.plan):
+                counts = "  ".join(f"[{i}] {layer.count(n):2d}" for i, n in enumerate(names))
+                lines.append(f"  layer {l:2d}: {counts}")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
+             cache: CacheOptions = CacheOptions(), eos_ids=(), compile: bool = False,
+             compile_options=None, on_token=None, token_flags=None, temperature=0.0,
+             top_k=None, top_p=1.0) -> Generation:
+    """Generate up to `max_new_tokens` for each prompt (token ids), as one batch.
+
+    Prompts are right-padded; each sequence keeps its own positions, so a
+    short prompt never sees padding. `on_token(b, id)` is called for each new
+    token of sequence b as it is produced. `cache` and `token_flags` go to
+    `make_caches`; `compile_options` (mode, backend) to `compiled_decode`.
+    """
+    device = model.tok_embeddings.weight.device
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    B, lens = len(prompts), [len(p) for p in prompts]
+    T = max(lens)
+    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, device=device)
+    prompt_lens = torch.tensor(lens, device=device)
+    model.setup_caches(make_caches(model, cache, lens, max_new_tokens, token_flags, compile))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+
+    def emit(cur):
+        for b, t in enumerate(cur[:, 0].tolist()):
+            if not done[b]:
+                out[b].append(t)
+                if on_token:
+                    on_token(b, t)
+                done[b] = t in eos_ids
+        return all(done)
+
+    t0 = time.perf_counter()
+    cur = prefill(model, tokens, prompt_lens, **sampling)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    steps, decode_s, compile_s, interrupted = 0, 0.0, 0.0, False
+    if not emit(cur):
+        steps, decode_s, compile_s, interrupted = decode(
+            model, cur, prompt_lens[:, None].clone(), max_new_tokens - 1, emit, compile,
+            compile_options, **sampling)
+    caches = model.caches()
+    gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
+                     compile_s, sum(c.nbytes() for c in caches),
+                     dense_kv_bytes(model, B, T + max_new_tokens))
+    gen.interrupted = interrupted
+    if cache.kv != "full":
+        K = model.args.n_kv_heads
+        gen.kept_tokens = sum(c.kept() for c in caches)
+        gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
+        gen.profile_s = sum(c.profile_s for c in caches)
+        gen.plan = [[repr(p) for p in c.plan()] for c in caches]
+        gen.recovery = [c.recovery.tolist() for c in caches]
+        gen.growths = sum(c.growths() for c in caches)
+    model.setup_caches(None)
+    return tp.gather_stats(gen, B) if tp.world() > 1 else gen
+
+
+@torch.no_grad()
+def score(model: Transformer, prompts: list[list[int]], continuations: list[list[int]], *,
+          cache: CacheOptions = CacheOptions(), token_flags=None) -> torch.Tensor:
+    """Teacher-forced logits (B, N, V): for each continuation token, the model's
+    prediction given the prompt and the continuation before it, decoded
+    step by step through the chosen cache. Continuations share one length N."""
+    device = model.tok_embeddings.weight.device
+    B, lens, N = len(prompts), [len(p) for p in prompts], len(continuations[0])
+    tokens = torch.zeros(B, max(lens), dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, device=device)
+    follow = torch.tensor(continuations, device=device)  # (B, N)
+    prompt_lens = torch.tensor(lens, device=device)
+    model.setup_caches(make_caches(model, cache, lens, N, token_flags))
+    logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens))
+    out = [logits[torch.arange(B, device=device), prompt_lens - 1]]
+    for i in range(N - 1):
+        reserve(model.caches())
+        out.append(model(follow[:, i:i + 1], (prompt_lens + i)[:, None])[:, 0])
+    model.setup_caches(None)
+    return torch.stack(out, dim=1)
+
+
+# --- Loading ------------------------------------------------------------------
+
+def load(ckpt: str | None, dtype: str = "float32", device: str = "cpu", allow_pickle: bool = False):
+    """The model and tokenizer of `ckpt`: a checkpoint folder, a GGUF file (converted once into
+    the cache folder) or None for the default model. Under torchrun, this rank's share."""
+    from convert_gguf import checkpoint_folder
+    from tokenizer import Tokenizer
+
+    with tp.same_outcome():  # a GGUF is converted by rank 0 alone, while the others wait
+        folder = checkpoint_folder(ckpt) if tp.rank() == 0 else None
+    with tp.same_outcome():
+        folder = folder or checkpoint_folder(ckpt)
+        model = tp.load_model(folder, DTYPES[dtype], device, allow_pickle)
+        return model, Tokenizer(folder)
+
+
+def flags_of(model: Transformer, tok):
+    """Per-token flags for the Special and Punct policies, from the tokenizer."""
+    V = model.args.vocab_size
+    return token_flags(V, [i for i in tok.special_ids if i < V],
+                       [i for i in tok.punctuation_ids() if i < V])
+
