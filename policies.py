@@ -6,8 +6,12 @@ keeps it, so a token leaves a head's cache only when no member wants it.
 
     Special() | Punct() | Frequent(0.3) | Local(0.3)
 
-The same `keep` runs on the prompt at the end of prefill (to compress it) and
-on the cache after every decode step (to evict), so the two can never drift.
+Each policy's `keep` states its rule plainly. A menu holds many policies of a
+few classes, so each class also has `keep_all`, which computes the same sets
+for several of its policies at once (one sort for every ratio); `Slots.keeps`
+is the fast path that hot code asks, remembered per policy. The same rule
+runs on the prompt at the end of prefill (to compress it) and on the cache
+after every decode step (to evict), so the two can never drift.
 """
 from __future__ import annotations
 
@@ -49,12 +53,22 @@ class Slots:
         return self.once("valid", lambda: self.pos >= 0)
 
     def keeps(self, policy: Policy) -> torch.Tensor:
-        """policy.keep(self), computed once per policy."""
-        return self.once(policy, lambda: policy.keep(self))
+        """Bool (N, C): what `policy.keep(self)` keeps, by the fast path: a member
+        by its class's `keep_all`, a union as the union of its members'. Computed
+        once per policy; this, not `keep`, is what hot code asks."""
+        kept = self.memo.get(policy)
+        if kept is None:
+            for m in policy.members():
+                if m not in self.memo:
+                    self.memo[m] = type(m).keep_all([m], self)[0]
+                kept = self.memo[m] if kept is None else kept | self.memo[m]
+            self.memo[policy] = kept
+        return kept
 
     def keeps_all(self, policies) -> None:
-        """Compute the keep of every member of `policies`, each class's members at
-        once (`Policy.keep_all`), and remember them for `keeps`."""
+        """Compute the keep of every member of `policies` for `keeps`: all their
+        rankings in one sort, then each class's members at once. For a menu at
+        prefill; a single policy is cheaper through `keeps`, which selects."""
         members = [m for m in dict.fromkeys(m for p in policies for m in p.members())
                    if m not in self.memo]
         by_class = {}
@@ -115,6 +129,8 @@ def share(r: float, n: torch.Tensor) -> torch.Tensor:
 
 def shares(rs, n: torch.Tensor) -> torch.Tensor:
     """(R, *n.shape): `share` for each of the ratios rs."""
+    if len(rs) == 1:  # one policy (a cache evicting): no tensor of ratios to build
+        return share(rs[0], n)[None]
     r = torch.tensor(rs, dtype=torch.float64, device=n.device).view(-1, *[1] * n.dim())
     return torch.ceil(n.double() * r - 1e-9).long()
 
@@ -156,7 +172,8 @@ def select(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.
 
 
 class Policy:
-    """Base class. Subclasses implement `keep`."""
+    """Base class. Subclasses implement `keep`, the rule; those that rank tokens
+    also `keep_all` and `rankings`, the fast path for several at once."""
 
     # True when, once the prompt is compressed, `keep` keeps everything held and
     # every new token: decoding then never needs to ask.
@@ -165,7 +182,8 @@ class Policy:
     reads_last = False
 
     def keep(self, s: Slots) -> torch.Tensor:
-        """Bool (N, C): which of the held tokens this policy keeps."""
+        """Bool (N, C): which of the held tokens this policy keeps. Written for
+        reading; hot code asks `s.keeps(policy)`, which computes the same faster."""
         raise NotImplementedError
 
     @classmethod
@@ -175,11 +193,12 @@ class Policy:
         return {}
 
     @classmethod
-    def keep_all(cls, policies: list[Policy], s: Slots) -> torch.Tensor:
-        """Bool (len(policies), N, C): the keep of several policies of this class.
-        The classes with a ratio do it in a few operations for every ratio (a
-        menu holds many); the result must equal each policy's `keep`."""
-        return torch.stack([p.keep(s) for p in policies])
+    def keep_all(cls, policies: list[Policy], s: Slots):
+        """The keep of several policies of this class, in order: bool (N, C)
+        each, stacked as (len(policies), N, C) or in a list. The classes with a
+        ratio do it in a few operations for every ratio (a menu holds many);
+        the result must equal each policy's `keep`."""
+        return [p.keep(s) for p in policies]
 
     def growth(self, prompt: Slots) -> torch.Tensor:
         """(N,) the share of new tokens it will hold on to, as the budget mode
@@ -238,6 +257,8 @@ class Local(Policy):
 
     @classmethod
     def keep_all(cls, policies, s):
+        if len(policies) == 1:  # a cache evicting asks for one: the rule is as fast
+            return [policies[0].keep(s)]
         return s.valid & (s.pos >= s.seen - shares([p.r for p in policies], s.prompt_len))
 
 
@@ -256,7 +277,18 @@ class Frequent(Policy):
         self.r, self.by = r, by
 
     def keep(self, s):
-        return self.keep_all([self], s)[0]
+        """The ceil(r * seen) valid tokens with the highest score (by="sum") or
+        mean score (by="mean", the newest token always in); among equal values
+        the leftmost slot wins."""
+        return s.valid & (ranks(self.values(self.by, s), s.valid) < share(self.r, s.seen))
+
+    @staticmethod
+    def values(by, s):
+        """What heavy hitters rank by: the summed score, or the mean score with
+        the newest token first, so that it always enters."""
+        if by == "sum":
+            return s.score
+        return s.mean_score.masked_fill(s.pos == s.seen - 1, float("inf"))
 
     @classmethod
     def keep_all(cls, policies, s):
@@ -273,12 +305,10 @@ class Frequent(Policy):
         return {key: (values, s.valid) for key, values in
                 (cls.ranking(by, s) for by in dict.fromkeys(p.by for p in policies))}
 
-    @staticmethod
-    def ranking(by, s):
-        """The key and values that heavy hitters rank by."""
-        if by == "sum":
-            return "score", lambda: s.score
-        return "mean score", lambda: s.mean_score.masked_fill(s.pos == s.seen - 1, float("inf"))
+    @classmethod
+    def ranking(cls, by, s):
+        """The memo key of heavy hitters' ranking, and its values."""
+        return ("score" if by == "sum" else "mean score"), lambda: cls.values(by, s)
 
     def growth(self, prompt):
         return prompt.pos.new_full((prompt.pos.shape[0],), self.r, dtype=torch.float32)
@@ -319,7 +349,9 @@ class TOVA(Policy):
         self.r = r
 
     def keep(self, s):
-        return s.top("last", lambda: s.last, share(self.r, s.prompt_len))
+        """The ceil(r * prompt_len) valid tokens with the highest `last`; among
+        equal values the leftmost slot wins."""
+        return s.valid & (ranks(s.last, s.valid) < share(self.r, s.prompt_len))
 
     @classmethod
     def rankings(cls, policies, s):
@@ -343,19 +375,29 @@ class SnapKV(Policy):
         self.r, self.window, self.kernel = r, window, kernel
 
     def keep(self, s):
-        return self.keep_all([self], s)[0]
+        """Every valid token from the window on (the window and every new token),
+        and of the older prompt tokens the ceil(r * prompt_len) - window with the
+        highest pooled score; among equal values the leftmost slot wins."""
+        older = s.valid & (s.pos < s.prompt_len - self.window)
+        budget = (share(self.r, s.prompt_len) - self.window).clamp(min=0)
+        return (s.valid & ~older) | (older & (ranks(self.pooled(self.kernel, s), older) < budget))
+
+    @staticmethod
+    def pooled(kernel, s):
+        """(N, C) the scores max-pooled over `kernel` neighbouring slots: over
+        neighbouring tokens at prefill, where the slots are the prompt in order."""
+        return torch.nn.functional.max_pool1d(
+            s.score.masked_fill(~s.valid, 0)[:, None], kernel, 1, kernel // 2)[:, 0]
 
     @classmethod
     def rankings(cls, policies, s):
         return {("snapkv", w, k): cls.ranking(w, k, s)
                 for w, k in dict.fromkeys((p.window, p.kernel) for p in policies)}
 
-    @staticmethod
-    def ranking(window, kernel, s):
+    @classmethod
+    def ranking(cls, window, kernel, s):
         """The pooled scores of the prompt tokens before the window, and those tokens."""
-        pooled = lambda: torch.nn.functional.max_pool1d(  # noqa: E731
-            s.score.masked_fill(~s.valid, 0)[:, None], kernel, 1, kernel // 2)[:, 0]
-        return pooled, s.valid & (s.pos < s.prompt_len - window)
+        return lambda: cls.pooled(kernel, s), s.valid & (s.pos < s.prompt_len - window)
 
     @classmethod
     def keep_all(cls, policies, s):
@@ -393,9 +435,9 @@ class Union(Policy):
         return any(m.reads_last for m in self._members)
 
     def keep(self, s):
-        kept = s.keeps(self._members[0])
+        kept = self._members[0].keep(s)
         for m in self._members[1:]:
-            kept = kept | s.keeps(m)
+            kept = kept | m.keep(s)
         return kept
 
     def growth(self, prompt):

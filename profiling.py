@@ -69,23 +69,13 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     bands = q.new_zeros(len(ratios), B, K, T, dtype=torch.float32)
     last = q.new_zeros(B, K, T, dtype=torch.float32)
     cols, batch = torch.arange(T, device=q.device), torch.arange(B, device=q.device)
-    rows_per_chunk = max(1, chunk_bytes // (B * H * T * 4))
-    if ratios:  # a chunk's band strip reads c * R * c of its c * T scores per head
-        rows_per_chunk = min(rows_per_chunk, max(32, min(BAND_ROWS, T // (2 * len(ratios)))))
-    for i0 in range(start, T, rows_per_chunk):
-        r = cols[i0:i0 + rows_per_chunk]
+    step = chunk_rows(B * H, T, len(ratios), chunk_bytes)
+    for i0 in range(start, T, step):
+        r = cols[i0:i0 + step]
         c = len(r)
-        scores = (qg[:, :, :, r - offset].float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
-        # These (B, K, G, c, T) scores are the cost of profiling: every pass over
-        # them is in place, and the G heads are summed first; the column sums,
-        # the last row and the band strip read those (B, K, c, T) sums.
-        e = scores.view(B, K, G, c, T)
-        e[..., i0 + 1:].masked_fill_(cols[i0 + 1:] > r[:, None], -float("inf"))  # causal
-        e = e.sub_(e.amax(-1, keepdim=True)).exp_()
-        # A row's weight: one over its softmax sum where read, zero where not.
-        read = (r >= first[:, None]) & (r < lens[:, None])  # (B, c)
-        p = e.mul_(read[:, None, None, :, None] / e.sum(-1, keepdim=True))  # probabilities
-        rows_sum = p.sum(2)  # (B, K, c, T): summed over the G heads
+        read = (r >= first[:, None]) & (r < lens[:, None])  # (B, c) the rows read
+        future = cols[i0 + 1:] > r[:, None]  # (c, T - i0 - 1) the keys a row must not see
+        rows_sum = head_sums(qg[:, :, :, r - offset], kt, future, read)  # (B, K, c, T)
         chunk = rows_sum.sum(2)  # (B, K, T)
         colsum += chunk
         # The last row alone, in whichever chunk holds it: what TOVA ranks the prompt by.
@@ -94,21 +84,59 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
         at_last = rows_sum[batch, :, row.clamp(0, c - 1)]  # (B, K, T)
         last = torch.where(here[:, None, None], at_last, last)
         if ratios:
-            # Token j's band (rows j .. j + W - 1) takes this chunk's whole column
-            # when it ends at or past the chunk's last row (j >= i0 + c - W), and
-            # nothing when it ends before its first; in between lie c - 1 tokens,
-            # j = i0 - W + 1 + t, whose band takes the chunk's rows up to i0 + t.
-            bands += chunk * (cols >= i0 + c - windows[..., None])[:, :, None]  # (R, B, K, T)
-            strip = i0 - windows[..., None] + 1 + cols[:c - 1]  # (R, B, c - 1)
-            at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, -1)
-            got = rows_sum.gather(3, at.expand(B, K, c, -1)).view(B, K, c, len(ratios), c - 1)
-            upto = cols[:c, None] <= cols[:c - 1]  # (c, c - 1): row i counts for token t
-            part = (got * upto[:, None]).sum(2).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
-            part = part * (strip >= 0)[:, :, None]
-            bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
+            add_bands(bands, rows_sum, chunk, windows, cols, i0)
     bands = (bands / G).view(len(ratios), B * K, T)
     return Profile((colsum / G).view(B * K, T), dict(zip(ratios, bands)),
                    (lens - first).repeat_interleave(K).float(), (last / G).view(B * K, T))
+
+
+def chunk_rows(heads: int, T: int, n_ratios: int, chunk_bytes: int) -> int:
+    """Query rows per chunk: as many as `chunk_bytes` of float32 probabilities
+    hold for `heads` (B * H) heads of T keys, and, when Local bands are summed,
+    few enough that the band strip stays cheap (see BAND_ROWS)."""
+    rows = max(1, chunk_bytes // (heads * T * 4))
+    if n_ratios:  # a chunk's band strip reads c * R * c of its c * T scores per head
+        rows = min(rows, max(32, min(BAND_ROWS, T // (2 * n_ratios))))
+    return rows
+
+
+def head_sums(q, kt, future, read) -> torch.Tensor:
+    """(B, K, c, T): the causal attention probabilities of c query rows, summed
+    over the G query heads of each KV head, each row weighted by `read` (B, c).
+    q: (B, K, G, c, D) those rows' queries, kt: (B, K, D, T) the keys, future:
+    (c, F) which of the last F keys each row must not see."""
+    B, K, G, c, D = q.shape
+    T = kt.shape[-1]
+    scores = (q.float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
+    # These (B, K, G, c, T) scores are the cost of profiling: every pass over
+    # them is in place, and the G heads are summed first; the column sums,
+    # the last row and the band strip read those (B, K, c, T) sums.
+    e = scores.view(B, K, G, c, T)
+    e[..., T - future.shape[-1]:].masked_fill_(future, -float("inf"))  # causal
+    e = e.sub_(e.amax(-1, keepdim=True)).exp_()
+    # A row's weight: one over its softmax sum where read, zero where not.
+    p = e.mul_(read[:, None, None, :, None] / e.sum(-1, keepdim=True))  # probabilities
+    return p.sum(2)
+
+
+def add_bands(bands, rows_sum, chunk, windows, cols, i0: int) -> None:
+    """Add to `bands` (R, B, K, T) what the chunk's rows, from row i0, give
+    each token's band for each Local window `windows` (R, B). rows_sum: (B, K,
+    c, T) the chunk's probabilities summed over heads, chunk: their sum over rows."""
+    B, K, c, T = rows_sum.shape
+    R = len(windows)
+    # Token j's band (rows j .. j + W - 1) takes this chunk's whole column
+    # when it ends at or past the chunk's last row (j >= i0 + c - W), and
+    # nothing when it ends before its first; in between lie c - 1 tokens,
+    # j = i0 - W + 1 + t, whose band takes the chunk's rows up to i0 + t.
+    bands += chunk * (cols >= i0 + c - windows[..., None])[:, :, None]  # (R, B, K, T)
+    strip = i0 - windows[..., None] + 1 + cols[:c - 1]  # (R, B, c - 1)
+    at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, -1)
+    got = rows_sum.gather(3, at.expand(B, K, c, -1)).view(B, K, c, R, c - 1)
+    upto = cols[:c, None] <= cols[:c - 1]  # (c, c - 1): row i counts for token t
+    part = (got * upto[:, None]).sum(2).permute(2, 0, 1, 3)  # (R, B, K, c - 1)
+    part = part * (strip >= 0)[:, :, None]
+    bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
 
 
 def local_ratios(policies: list[Policy]) -> list[float]:

@@ -254,36 +254,6 @@ def test_growth_is_the_share_of_new_tokens_held():
         assert every.growth(s).tolist() == [1.0]
 
 
-def test_keep_all_equals_each_keep_alone():
-    """A class's members at once (as a menu profiles and a cache evicts) keep what
-    each keeps alone, on random segments with empty slots, ties and late tokens."""
-    g = torch.Generator().manual_seed(0)
-    N, C = 5, 40
-    pos = torch.stack([torch.randperm(60, generator=g)[:C] for _ in range(N)])
-    pos[torch.rand(N, C, generator=g) < 0.2] = -1
-    score = torch.randint(0, 6, (N, C), generator=g).float()  # ties
-    last = torch.randint(0, 4, (N, C), generator=g).float()
-    flags = torch.randint(0, 4, (N, C), generator=g, dtype=torch.uint8)
-    seen = torch.tensor([[60], [61], [70], [64], [99]])
-    prompt_len = torch.tensor([[50], [40], [60], [33], [60]])
-    first = torch.tensor([[0], [30], [50], [0], [10]])
-    fresh = lambda: Slots(pos, score, flags, seen, prompt_len, first, last)  # noqa: E731
-    ratios = [0.05, 0.1, 0.3, 0.45, 0.8, 1.0]
-    groups = [[Local(r) for r in ratios], [Frequent(r) for r in ratios] + [Frequent(0.2, "mean")],
-              [TOVA(r) for r in ratios],
-              [SnapKV(r) for r in ratios] + [SnapKV(0.3, window=4, kernel=3)],
-              [Sink(1), Sink(4)], [Special()], [Punct()]]
-    for ms in groups:
-        together = type(ms[0]).keep_all(ms, fresh())
-        for m, mask in zip(ms, together):
-            assert torch.equal(mask, m.keep(fresh())), m
-    # Through a Slots: every member of a menu at once, then each policy's union.
-    s = fresh()
-    s.keeps_all(menu())
-    for p in menu():
-        assert torch.equal(s.keeps(p), p.keep(fresh())), p
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_select_keeps_what_ranking_keeps(seed):
     """`select` (a top-k of the kept or of the dropped) against `ranks` (a sort):
