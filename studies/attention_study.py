@@ -10,7 +10,7 @@ mix per layer, and whether the profiled policies still hold while decoding.
    heavy-hitter scores, flags), on which each policy's `keep` counts what it
    would keep. `profiling.choose` then gives each head's policy for every T
    from these same numbers, and the bytes follow from the kept counts and
-   cache.py's page layout. On the first `--n-check` prompts the real cache
+   pool.py's page layout. On the first `--n-check` prompts the real cache
    runs at every T and must allocate exactly those bytes and make the same
    plan. Bytes are taken at the end of prefill (max_new_tokens=1), so no decode
    capacity is reserved on either side.
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-import generation as gen_
-from cache import attends_masked, group_pages, page_size
+import generate as gen_
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
+from pool import attends_masked, group_pages, page_size
 from profiling import choose
 
 THRESHOLDS = (0.85, 0.90, 0.93, 0.95, 0.98)
@@ -48,14 +48,13 @@ def profile_prompt(model, prompt, flags, policies):
     """One prefill. Returns recoveries and kept counts, each (L, K, P): for every
     layer, KV head and shortlist policy."""
     T = len(prompt)
-    every_head_full = gen_.CacheOptions("fastgen", recovery=1.0, paper=True)
-    caches = gen_.make_caches(model, every_head_full, [T], 1, flags)
+    caches = gen_.make_caches(model, "fastgen", [T], 1, flags, recovery=1.0, paper=True)
     model.setup_caches(caches)
     gen_.prefill(model, torch.tensor([prompt]), torch.tensor([T]))
     model.setup_caches(None)
     rec, kept = [], []
     for c in caches:
-        (full,) = c.groups  # threshold 1: every head is Full, one group, segments in order
+        (full,) = c.pool.groups  # threshold 1: every head is Full, one group, segments in order
         s = c.slots(full)
         s = Slots(s.pos[:, :T], s.score[:, :T], s.flags[:, :T], s.prompt_len, s.prompt_len)
         rec.append(c.recovery)
@@ -66,7 +65,7 @@ def profile_prompt(model, prompt, flags, policies):
 def derive(model, rec, kept, threshold, prompt_len):
     """What the cache does at `threshold`: each head's policy (L, K), its recovery
     and kept tokens (L, K), and the bytes the cache allocates."""
-    # cache.py's pool: K and V (D values each), pos int32, score float32, flags
+    # pool.py's pool: K and V (D values each), pos int32, score float32, flags
     # uint8 per slot (no latest attention: no shortlist policy reads it); the
     # owner int64 per page; start, width, prompt_len, first_query, evicts_by and
     # dest int64 per segment (and no free slots handed out yet); a pool small
@@ -106,8 +105,8 @@ def sweep(model, prompts, flags, policies, thresholds, n_check):
             a["kept"].append(n_kept.sum().item() / (n_kept.numel() * len(prompt)))
             a["mix"] = a["mix"] + torch.nn.functional.one_hot(choice, len(policies)).float()
             if i < n_check:
-                g = gen_.generate(model, [prompt], 1, token_flags=flags,
-                                  cache=gen_.CacheOptions("fastgen", recovery=t, paper=True))
+                g = gen_.generate(model, [prompt], 1, kv="fastgen", recovery=t, token_flags=flags,
+                                  paper=True)
                 checks.append(dict(prompt=i, T=t, derived_bytes=nbytes, allocated_bytes=g.kv_bytes,
                                    derived_kept=int(n_kept.sum()), allocated_kept=g.kept_tokens,
                                    same_plan=g.plan == [[names[p] for p in l] for l in choice.tolist()]))
@@ -142,7 +141,7 @@ class ProbedKVCache(KVCache):
 def held(cache, n_seen: int) -> torch.Tensor:
     """(S, n_seen) bool: the positions a FastGen layer cache holds now."""
     mask = torch.zeros(cache.choice.shape[0], n_seen, dtype=torch.bool)
-    for g in cache.groups:
+    for g in cache.pool.groups:
         pos = cache.slots(g).pos
         rows, cols = (pos >= 0).nonzero(as_tuple=True)
         mask[g.seg[rows], pos[rows, cols].long()] = True
@@ -163,7 +162,7 @@ class Variants(torch.nn.Module):
         self.cache = cache
 
     def forward(self, q, k, v, input_pos, tokens):
-        if self.cache.groups is None:
+        if self.cache.pool is None:  # the prompt: profile it in every variant
             self.recovery = torch.stack([self.cache.profile(q, k, tokens, rows, sink)[1]
                                          for rows, sink in VARIANTS.values()])  # (V, S, P)
         return self.cache(q, k, v, input_pos, tokens)
@@ -180,8 +179,8 @@ def decode_check(model, prompt, flags, threshold, steps):
     its policy index (L, K)."""
     T, n = len(prompt), max(steps)
     a, w = model.args, model.tok_embeddings.weight
-    paper = gen_.CacheOptions("fastgen", recovery=threshold, paper=True)
-    fast = [Variants(c) for c in gen_.make_caches(model, paper, [T], n + 1, flags)]
+    fast = [Variants(c) for c in gen_.make_caches(model, "fastgen", [T], n + 1, flags,
+                                                  recovery=threshold, paper=True)]
     dense = [ProbedKVCache(1, a.n_kv_heads, T + n + 1, a.head_dim, w.dtype) for _ in model.layers]
     for caches in (dense, fast):  # both prefills are exact, so both give the same first token
         model.setup_caches(caches)
@@ -273,9 +272,9 @@ def spread(x: torch.Tensor) -> str:
     return "-" if not x.numel() else f"{x.mean():.3f} ± {x.std():.3f}" if x.numel() > 1 else f"{x.mean():.3f}"
 
 
-def main(ckpt=None, out="results", quick=False, n_prompts=30, min_tokens=512, max_tokens=2048,
-         thresholds=THRESHOLDS, headline=0.95, n_check=3, n_decode=5, steps=(1, 10, 50, 100),
-         seed=0, command="") -> dict:
+def main(ckpt=None, out="results/attention_study", quick=False, n_prompts=30, min_tokens=512,
+         max_tokens=2048, thresholds=THRESHOLDS, headline=0.95, n_check=3, n_decode=5,
+         steps=(1, 10, 50, 100), seed=0, command="") -> dict:
     """Run the study; write attention_study.{md,json} and the PNGs to `out`."""
     from tqdm import tqdm
     from model import load_model
@@ -404,7 +403,8 @@ def parse_args(argv=None):
                    "steps 1 and 3: a smoke test for tiny checkpoints (seconds)")
     p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
                    "(default: SmolLM2-135M-Instruct)")
-    p.add_argument("--out", default="results", help="output folder (default results/)")
+    p.add_argument("--out", default="results/attention_study",
+                   help="output folder (default results/attention_study/)")
     p.add_argument("--n-prompts", type=int, default=30, help="prompts in the sweep (default 30)")
     p.add_argument("--min-tokens", type=int, default=512, help="shortest prompt (default 512)")
     p.add_argument("--max-tokens", type=int, default=2048, help="longest prompt (default 2048)")

@@ -5,7 +5,7 @@
     python -m studies.evaluate --peer kvpress   # also NVIDIA kvpress, run in its own venv:
         python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5
     python -m studies.evaluate --passkey-chat --windows 2 --thresholds --budgets \
-        --out results/passkey_chat     # the full cache on the ChatML form of the passkeys
+        --out results/evaluate/passkey_chat   # the full cache on the ChatML form of the passkeys
 
 Two tasks, each run through every configuration (the full cache; FastGen at
 several recovery thresholds T; `local`, `sink` (StreamingLLM) and `h2o` at
@@ -24,7 +24,7 @@ cache's bytes for the same work. Writes OUT.md (tables), OUT.json, OUT.png.
 
 Every configuration compresses the same prompts after an exact prefill, so the
 prefill runs once: each layer's q, k, v are recorded and every configuration's
-cache is built from them (the same calls `generation.score` makes, minus the
+cache is built from them (the same calls `generate.score` makes, minus the
 model). Profiling is shared too; see `from_record`.
 """
 from __future__ import annotations
@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cache as fastgen_cache
+import generate
 import model as model_module
 from cache import profile_layers
-from generation import CacheOptions, make_caches
 from model import causal_attention
 from profiling import local_ratios
 
@@ -131,7 +131,7 @@ def from_record(recorders):
     computed instead of computing it again for every configuration: the
     attention output (which the build discards) and profiling's column sums,
     which depend only on the prompt, the rows read and the Local windows
-    (tests/test_evaluate.py compares the logits with `generation.score`)."""
+    (tests/test_evaluate.py compares the logits with `generate.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
     def sums(caches):
@@ -156,8 +156,8 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=
     teacher-forced on `follow` (B, n) or greedy. Returns logits (B, n, V) and
     the bytes the caches allocated and the share of seen tokens they hold."""
     recorders, tokens, input_pos, lens, last = rec
-    options = CacheOptions(config.kv, r_local=r_local, r_frequent=r_frequent, **config.options)
-    caches = make_caches(model, options, lens.tolist(), n, flags)
+    caches = generate.make_caches(model, config.kv, lens.tolist(), n, flags, r_local=r_local,
+                                  r_frequent=r_frequent, **config.options)
     with from_record(recorders):
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
@@ -335,7 +335,8 @@ def report(rows, meta, peer_error) -> str:
              "front for what a policy might keep of the new tokens."
              + (" The passkey prompt is plain text ending in `The pass key is`: this instruct model "
                 "solves the ChatML form less often with the full cache (`--passkey-chat`, "
-                "results/passkey_chat.md)." if meta["passkey_format"] == "plain" else "") + "\n",
+                "results/evaluate/passkey_chat.md)." if meta["passkey_format"] == "plain" else "")
+             + "\n",
              "| configuration | text KV share | tokens held | KL | top-1 | perplexity "
              "| passkey KV share | passkey |", "|---" * 8 + "|"]
     for name, r in rows.items():
@@ -429,7 +430,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads)"
 
 
-def main(*, ckpt: str | None = None, out: str = "results/quality", quick: bool = False,
+def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quick: bool = False,
          windows: int = 30, prompt_len: int = 768, new_tokens: int = 64, passkeys: int = 40,
          filler: int = 40, passkey_tokens: int = 8, passkey_chat: bool = False,
          thresholds=(0.9,), budgets=(0.25, 0.5, 0.75), paper_thresholds=(0.7, 0.9, 0.98),
@@ -523,7 +524,8 @@ def parse_args(argv=None):
                     "allocated: FastGen vs fixed policies.")
     p.add_argument("--ckpt", help="HF-format checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", default=None, help="output path without suffix; writes .md, .json, "
-                   ".png (default results/quality, or results/quality_quick with --quick)")
+                   ".png (default results/evaluate/quality, or results/evaluate/quality_quick "
+                   "with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny settings: a smoke test in seconds")
     p.add_argument("--render", action="store_true", help="only write OUT.md and OUT.png again "
                    "from OUT.json (a saved run)")
@@ -577,7 +579,8 @@ if __name__ == "__main__":
     with exit_on_user_error():
         a = parse_args()
         kwargs = {k: v for k, v in vars(a).items() if v is not None and k != "render"}
-        kwargs["out"] = a.out or ("results/quality_quick" if a.quick else "results/quality")
+        kwargs["out"] = a.out or ("results/evaluate/quality_quick" if a.quick
+                                  else "results/evaluate/quality")
         rows = render(kwargs["out"]) if a.render else \
             main(command=" ".join(["python -m studies.evaluate", *sys.argv[1:]]), **kwargs)
     for name, r in rows.items():

@@ -22,6 +22,9 @@ from pathlib import Path
 
 # The studies run as modules of the `studies` package, so from the repository root.
 ROOT = Path(__file__).resolve().parents[1]
+# The kvpress rows of the README, measured once in kvpress's own environment and
+# added to the quality run instead of running kvpress again (see --peer).
+KVPRESS_ROWS = ROOT / "results/peer_kvpress/kvpress_2026-11-29.json"
 
 
 def steps(args) -> tuple[list[tuple[str, list[str]]], list[str]]:
@@ -30,16 +33,16 @@ def steps(args) -> tuple[list[tuple[str, list[str]]], list[str]]:
     common = (["--ckpt", args.ckpt] if args.ckpt else []) + (["--quick"] if args.quick else [])
     light = [] if args.full or args.quick else ["--runs", "1"]
     return [
-        ("attention study", ["attention_study", "--out", str(out)]),
-        ("quality and passkey", ["evaluate", "--out", str(out / "quality"), "--ablation"]
+        ("attention study", ["attention_study", "--out", str(out / "attention_study")]),
+        ("quality and passkey", ["evaluate", "--out", str(out / "evaluate/quality"), "--ablation"]
          + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else
-            [] if args.quick else ["--peer-rows", str(ROOT / "results/kvpress_2026-11-29.json")])),
+            [] if args.quick else ["--peer-rows", str(KVPRESS_ROWS)])),
         *([] if args.quick else [("quality on news prose", [
-            "evaluate", "--out", str(out / "quality_news"), "--text", "news", "--passkeys", "0",
-            "--paper-thresholds", "0.9", "0.98"])]),
-        ("speed against transformers", ["bench", "--out", str(out / "bench.md")]
+            "evaluate", "--out", str(out / "evaluate/quality_news"), "--text", "news",
+            "--passkeys", "0", "--paper-thresholds", "0.9", "0.98"])]),
+        ("speed against transformers", ["bench", "--out", str(out / "bench/bench.md")]
          + (["--compile", "none"] if light else []) + light),
-        ("speed and memory scaling", ["scaling", "--out", str(out / "scaling")]
+        ("speed and memory scaling", ["scaling", "--out", str(out / "scaling/scaling")]
          + (["--compile", "none"] if light else []) + light),
     ], common
 
@@ -49,7 +52,8 @@ def main(argv=None) -> int:
         prog="python -m studies.reproduce",
         description="Run every study behind the README's results, one after the other, "
                     "writing into --out.")
-    p.add_argument("--out", default="results", help="output folder (default results/)")
+    p.add_argument("--out", default="results", help="output folder; each study writes into "
+                   "its own folder under it, as in results/ (default results/)")
     p.add_argument("--full", action="store_true", help="the README's settings: medians of 3 "
                    "runs and the compiled rows of bench.py and scaling.py (hours on 2 cores "
                    "instead of about one)")
@@ -61,7 +65,8 @@ def main(argv=None) -> int:
                    help="python of the kvpress environment (default /tmp/kvp/bin/python)")
     args = p.parse_args(argv)
     try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+        # bench writes into an existing folder only; the other studies make theirs.
+        (Path(args.out) / "bench").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         p.error(f"--out {args.out}: {e.strerror}")
     todo, common = steps(args)

@@ -23,7 +23,7 @@ its prefill, and the run's peak memory (process RSS, or the GPU's on CUDA).
 The measurements are bench.py's (see there). Then the profiling share of the
 whole generation (prefill + decode) at 128 and 512 new tokens.
 
-Writes `--out`.md, .json and .png (default results/scaling).
+Writes `--out`.md, .json and .png (default results/scaling/scaling).
 """
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from generate import UsageError
-from generation import CacheOptions, dense_kv_bytes, flags_of
+from generate import UsageError, dense_kv_bytes, flags_of
 from studies.bench import (MEMORY_NOTE, add_device_args, bandwidth_gbs, check_device_args,
                            load_pair, machine_info, time_hf, time_ours, wait_until_idle,
                            weight_bytes)
@@ -108,9 +107,9 @@ def measure(args) -> dict:
     def run(impl, compiled, prompts, new_tokens):
         if impl == "transformers":
             return time_hf(hf, prompts, new_tokens)
-        cache = CacheOptions(impl.split("-")[0], recovery=args.recovery,
-                             paper=impl == "fastgen-paper")
-        return time_ours(model, prompts, new_tokens, cache, compiled, flags, args.compile_options)
+        return time_ours(model, prompts, new_tokens, impl.split("-")[0], compiled, flags,
+                         args.compile_options, recovery=args.recovery,
+                         paper=impl == "fastgen-paper")
 
     grid = cells(args)
     profilers = [v for v in impls if v[0] in ("fastgen", "fastgen-paper")]
@@ -343,8 +342,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="smoke test: prompts 16 and 32, batch 1 and 2, 4 new tokens, one run, "
                         "no compiled rows unless --compile says")
-    p.add_argument("--out", default="results/scaling",
-                   help="output path without suffix (default results/scaling)")
+    p.add_argument("--out", default="results/scaling/scaling",
+                   help="output path without suffix (default results/scaling/scaling)")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.quick:

@@ -11,6 +11,7 @@ def test_reproduce_quick(tiny_ckpt, tmp_path):
                         str(tiny_ckpt), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name in ("attention_study.md", "quality.md", "bench.md", "scaling.md", "scaling.png"):
+    for name in ("attention_study/attention_study.md", "evaluate/quality.md", "bench/bench.md",
+                 "scaling/scaling.md", "scaling/scaling.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "[4/4] speed and memory scaling: done" in r.stderr
