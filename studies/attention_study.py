@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-import generate as gen_
+import generation as gen_
 from model import KVCache, attend
 from policies import Slots, shortlist, token_flags
 from pool import attends_masked, group_pages, page_size
@@ -48,7 +48,8 @@ def profile_prompt(model, prompt, flags, policies):
     """One prefill. Returns recoveries and kept counts, each (L, K, P): for every
     layer, KV head and shortlist policy."""
     T = len(prompt)
-    caches = gen_.make_caches(model, "fastgen", [T], 1, flags, recovery=1.0, paper=True)
+    every_head_full = gen_.CacheOptions("fastgen", recovery=1.0, paper=True)
+    caches = gen_.make_caches(model, every_head_full, [T], 1, flags)
     model.setup_caches(caches)
     gen_.prefill(model, torch.tensor([prompt]), torch.tensor([T]))
     model.setup_caches(None)
@@ -105,8 +106,8 @@ def sweep(model, prompts, flags, policies, thresholds, n_check):
             a["kept"].append(n_kept.sum().item() / (n_kept.numel() * len(prompt)))
             a["mix"] = a["mix"] + torch.nn.functional.one_hot(choice, len(policies)).float()
             if i < n_check:
-                g = gen_.generate(model, [prompt], 1, kv="fastgen", recovery=t, token_flags=flags,
-                                  paper=True)
+                g = gen_.generate(model, [prompt], 1, token_flags=flags,
+                                  cache=gen_.CacheOptions("fastgen", recovery=t, paper=True))
                 checks.append(dict(prompt=i, T=t, derived_bytes=nbytes, allocated_bytes=g.kv_bytes,
                                    derived_kept=int(n_kept.sum()), allocated_kept=g.kept_tokens,
                                    same_plan=g.plan == [[names[p] for p in l] for l in choice.tolist()]))
@@ -179,8 +180,8 @@ def decode_check(model, prompt, flags, threshold, steps):
     its policy index (L, K)."""
     T, n = len(prompt), max(steps)
     a, w = model.args, model.tok_embeddings.weight
-    fast = [Variants(c) for c in gen_.make_caches(model, "fastgen", [T], n + 1, flags,
-                                                  recovery=threshold, paper=True)]
+    paper = gen_.CacheOptions("fastgen", recovery=threshold, paper=True)
+    fast = [Variants(c) for c in gen_.make_caches(model, paper, [T], n + 1, flags)]
     dense = [ProbedKVCache(1, a.n_kv_heads, T + n + 1, a.head_dim, w.dtype) for _ in model.layers]
     for caches in (dense, fast):  # both prefills are exact, so both give the same first token
         model.setup_caches(caches)

@@ -54,6 +54,7 @@ import torch
 from tqdm import tqdm
 
 import generate as gen
+from generation import DTYPES, CacheOptions, dense_kv_bytes, generate
 
 
 def machine_info(threads: int, device: str = "cpu") -> str:
@@ -208,12 +209,12 @@ def peak_memory(device):
         mem["gpu_peak"] = torch.cuda.max_memory_allocated(device)
 
 
-def time_ours(model, prompts, new_tokens, kv, compile, flags, compile_options=None,
-              **options) -> dict:
+def time_ours(model, prompts, new_tokens, cache: CacheOptions, compile, flags,
+              compile_options=None) -> dict:
     with peak_memory(model.tok_embeddings.weight.device) as mem:
-        g, share = with_cpu_share(lambda: gen.generate(
-            model, prompts, new_tokens, kv=kv, compile=compile, compile_options=compile_options,
-            token_flags=flags, **options))
+        g, share = with_cpu_share(lambda: generate(
+            model, prompts, new_tokens, cache=cache, compile=compile,
+            compile_options=compile_options, token_flags=flags))
     B = len(prompts)
     return dict(prefill=B * len(prompts[0]) / g.prefill_s, decode=B * g.decode_steps / g.decode_s,
                 cpu=share, compile_s=g.compile_s, kv=g.kv_bytes, full_kv=g.full_kv_bytes,
@@ -255,8 +256,8 @@ def load_pair(ckpt, dtype: str, device: str):
 
     from model import load_model
     hf_logging.set_verbosity_error()
-    model = load_model(ckpt, gen.DTYPES[dtype], device)
-    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=gen.DTYPES[dtype]).to(device).eval()
+    model = load_model(ckpt, DTYPES[dtype], device)
+    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).to(device).eval()
     return model, hf
 
 
@@ -275,7 +276,7 @@ def add_device_args(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for both "
                    "implementations; on CUDA every timing waits for the GPU and the peak "
                    "memory is the GPU's (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=list(gen.DTYPES),
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="weights and KV cache of both implementations (default float32)")
     p.add_argument("--compile", choices=["both", "only", "none"], help="our rows eager and "
                    "compiled (both), compiled only, or eager only; transformers is always "
@@ -329,7 +330,7 @@ def bench(args) -> str:
     bw = bandwidth_gbs(args.bw_gib, device=args.device)
     floor = matmul_floor(model)
     w_bytes = weight_bytes(model)
-    kv_token = gen.dense_kv_bytes(model, 1, 1)
+    kv_token = dense_kv_bytes(model, 1, 1)
     context = args.prompt_len + args.new_tokens / 2  # tokens attended, mean over the steps
     roofline = lambda B: B * bw * 1e9 / (w_bytes + B * kv_token * context)
 
@@ -339,7 +340,8 @@ def bench(args) -> str:
     def run(impl, kv, comp, prompts, new_tokens):
         if impl == "transformers":
             return time_hf(hf, prompts, new_tokens)
-        return time_ours(model, prompts, new_tokens, kv, comp, flags, args.compile_options)
+        return time_ours(model, prompts, new_tokens, CacheOptions(kv), comp, flags,
+                         args.compile_options)
 
     rows = []
     bar = tqdm(total=len(args.batch) * len(configs) * args.runs, desc="bench", unit="run")

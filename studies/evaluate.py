@@ -24,7 +24,7 @@ cache's bytes for the same work. Writes OUT.md (tables), OUT.json, OUT.png.
 
 Every configuration compresses the same prompts after an exact prefill, so the
 prefill runs once: each layer's q, k, v are recorded and every configuration's
-cache is built from them (the same calls `generate.score` makes, minus the
+cache is built from them (the same calls `generation.score` makes, minus the
 model). Profiling is shared too; see `from_record`.
 """
 from __future__ import annotations
@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cache as fastgen_cache
-import generate
 import model as model_module
 from cache import profile_layers
+from generation import CacheOptions, make_caches
 from model import causal_attention
 from profiling import local_ratios
 
@@ -131,7 +131,7 @@ def from_record(recorders):
     computed instead of computing it again for every configuration: the
     attention output (which the build discards) and profiling's column sums,
     which depend only on the prompt, the rows read and the Local windows
-    (tests/test_evaluate.py compares the logits with `generate.score`)."""
+    (tests/test_evaluate.py compares the logits with `generation.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
     def sums(caches):
@@ -156,8 +156,8 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=
     teacher-forced on `follow` (B, n) or greedy. Returns logits (B, n, V) and
     the bytes the caches allocated and the share of seen tokens they hold."""
     recorders, tokens, input_pos, lens, last = rec
-    caches = generate.make_caches(model, config.kv, lens.tolist(), n, flags, r_local=r_local,
-                                  r_frequent=r_frequent, **config.options)
+    options = CacheOptions(config.kv, r_local=r_local, r_frequent=r_frequent, **config.options)
+    caches = make_caches(model, options, lens.tolist(), n, flags)
     with from_record(recorders):
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from generate import UsageError, dense_kv_bytes, flags_of
+from generate import UsageError
+from generation import CacheOptions, dense_kv_bytes, flags_of
 from studies.bench import (MEMORY_NOTE, add_device_args, bandwidth_gbs, check_device_args,
                            load_pair, machine_info, time_hf, time_ours, wait_until_idle,
                            weight_bytes)
@@ -107,9 +108,9 @@ def measure(args) -> dict:
     def run(impl, compiled, prompts, new_tokens):
         if impl == "transformers":
             return time_hf(hf, prompts, new_tokens)
-        return time_ours(model, prompts, new_tokens, impl.split("-")[0], compiled, flags,
-                         args.compile_options, recovery=args.recovery,
-                         paper=impl == "fastgen-paper")
+        cache = CacheOptions(impl.split("-")[0], recovery=args.recovery,
+                             paper=impl == "fastgen-paper")
+        return time_ours(model, prompts, new_tokens, cache, compiled, flags, args.compile_options)
 
     grid = cells(args)
     profilers = [v for v in impls if v[0] in ("fastgen", "fastgen-paper")]

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import tp
-from generate import exit_on_user_error, generate
+from generate import exit_on_user_error
+from generation import CacheOptions, generate
 
 
 def peak_rss_mib() -> float:
@@ -57,7 +58,7 @@ def bench(ckpt, prompt_len: int, max_new_tokens: int, kv: str):
     model = tp.load_model(ckpt)  # this rank's share
     tok = Tokenizer(ckpt)
     prompt = tok.encode(documents()[0][1])[:prompt_len]
-    gen = generate(model, [prompt], max_new_tokens, kv=kv)
+    gen = generate(model, [prompt], max_new_tokens, cache=CacheOptions(kv))
     row = dict(rank=tp.rank(), decode=gen.decode_steps / gen.decode_s,
                prefill=len(prompt) / gen.prefill_s,
                weights=sum(p.nbytes for p in model.parameters()) / 2**20,  # tied: counted once
