@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-import generate
+from generation import CacheOptions, score
 from model import load_model
 from policies import token_flags
 from studies import evaluate
@@ -43,13 +43,14 @@ def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
                                          ("tova", {"kv_budget": 0.3}), ("full", {})])
 def test_replay_equals_score(tiny_ckpt, kv, options):
     """Building the caches from a recorded prefill, with profiling shared,
-    decodes exactly what generate.score decodes."""
+    decodes exactly what generation.score decodes."""
     model, tok = load_model(tiny_ckpt), Tokenizer(tiny_ckpt)
     flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
     torch.manual_seed(0)
     prompts = [torch.randint(3, 300, (n,)).tolist() for n in (40, 33, 40)]
     follow = torch.randint(3, 300, (3, 6))
-    want = generate.score(model, prompts, follow.tolist(), kv=kv, token_flags=flags, **options)
+    want = score(model, prompts, follow.tolist(), cache=CacheOptions(kv, **options),
+                 token_flags=flags)
     rec = evaluate.record(model, prompts)
     got, nbytes, kept = evaluate.replay(model, rec, evaluate.Config(kv, kv, options), 6, follow, flags)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
