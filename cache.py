@@ -36,7 +36,8 @@ import torch.nn as nn
 import pool
 from model import causal_attention
 from policies import Policy, Slots
-from profiling import Profile, attention_sums, choose, fit_budgets, local_ratios, recoveries
+from profiling import (Profile, attention_sums, choose, fit_budgets, local_ratios, prompt_slots,
+                       recoveries)
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
@@ -127,6 +128,43 @@ class FastGenCache(nn.Module):
         self.pending.add(self)
         return causal_attention(q, k, v)
 
+    def profile(self, q, k, tokens, rows=None, sink=True, sums: Profile | None = None,
+                layers: int = 1) -> tuple[Slots, torch.Tensor]:
+        """The prompt's slots, (S, T), scored by the attention of the rows read,
+        and the recovery of every policy, (S, n_policies); from profiling's
+        `sums` of `layers` layers stacked, (layers * S, ...)."""
+        if sums is None:
+            sums = attention_sums(q, k, self.prompt_lens, local_ratios(self.policies), rows)
+        prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
+                              layers)
+        prompt.keeps_all(self.policies)
+        return prompt, recoveries(self.policies, prompt, sums, sink)
+
+    def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
+               G: int):
+        """This layer's pool, laid out for what each segment's policy keeps of
+        its prompt (`compress`). prompt: the layer's (S, T) slots; on the host,
+        each segment's policy, its kept tokens, the policy's `growth`; G query
+        heads per KV head."""
+        device = prompt.pos.device
+        if self.page is None:
+            self.page = pool.page_size(int(self.prompt_lens.max()))
+        if self.evict_every is None:
+            self.evict_every = max(EVICT_EVERY, self.page // 2)
+        room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
+        chosen = [self.policies[i] for i in sorted(set(choice))]
+        new = max(self.max_new_tokens - 1 - room, 0)  # planned for by the budget
+        self.pool = pool.build(choice, kept, growth, any(p.reads_last for p in chosen),
+                               page=self.page, room=room, new=new, every=self.evict_every,
+                               heads_per_kv=G, eager=self.eager, device=device)
+        self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
+        self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
+        # Each segment's policy if it may still evict, else -1.
+        self.evicting = any(not p.never_evicts for p in chosen)
+        self.register_buffer("evicts_by", torch.tensor(
+            [-1 if self.policies[i].never_evicts else i for i in choice], device=device),
+            persistent=False)
+
     def decode(self, q, k, v, input_pos, tokens):
         """One token per sequence: written to the slot `reserve` handed out,
         attended to with everything the segment holds, and scored."""
@@ -146,54 +184,6 @@ class FastGenCache(nn.Module):
         y, last = self.pool.attend(q.view(S, H // K, D))
         self.pool.add_scores(last)
         return y.view(B, H, 1, D)
-
-    def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
-        """The prompt's slots, (S, T), scored by the attention of the rows read,
-        and the recovery of every policy, (S, n_policies)."""
-        prof = attention_sums(q, k, self.prompt_lens, local_ratios(self.policies), rows)
-        return self.from_sums(prof, tokens, sink)
-
-    def from_sums(self, prof: Profile, tokens, sink: bool,
-                  layers: int = 1) -> tuple[Slots, torch.Tensor]:
-        """`profile` from profiling's sums, for `layers` layers' sums stacked:
-        slots (layers * S, T) and recoveries (layers * S, n_policies)."""
-        lens = self.prompt_lens
-        T = tokens.shape[1]
-        per_seg = lambda t: t.repeat_interleave(self.n_kv_heads, dim=0).repeat(  # noqa: E731
-            layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * S, ...)
-        positions = torch.arange(T, device=lens.device)
-        prompt = Slots(
-            pos=per_seg(torch.where(positions < lens[:, None], positions, -1)),
-            score=prof.colsum, flags=per_seg(self.token_flags[tokens]),
-            seen=per_seg(lens[:, None]), prompt_len=per_seg(lens[:, None]),
-            first_query=per_seg(lens[:, None]) - prof.rows.long()[:, None], last=prof.last)
-        prompt.keeps_all(self.policies)
-        return prompt, recoveries(self.policies, prompt, prof, sink)
-
-    def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
-               G: int):
-        """This layer's pool, laid out for what each segment's policy keeps of
-        its prompt (`compress`). prompt: the layer's (S, T) slots; on the host,
-        each segment's policy, its kept tokens, the policy's `growth`; G query
-        heads per KV head."""
-        device = prompt.pos.device
-        if self.page is None:
-            self.page = pool.page_size(int(self.prompt_lens.max()))
-        if self.evict_every is None:
-            self.evict_every = max(EVICT_EVERY, self.page // 2)
-        room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
-        chosen = [self.policies[i] for i in sorted(set(choice))]
-        self.pool = pool.build(choice, kept, growth, any(p.reads_last for p in chosen),
-                               page=self.page, room=room, new=max(self.max_new_tokens - 1 - room, 0),
-                               every=self.evict_every, heads_per_kv=G, eager=self.eager,
-                               device=device)
-        self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
-        self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
-        # Each segment's policy if it may still evict, else -1.
-        self.evicting = any(not p.never_evicts for p in chosen)
-        self.register_buffer("evicts_by", torch.tensor(
-            [-1 if self.policies[i].never_evicts else i for i in choice], device=device),
-            persistent=False)
 
     # --- What the cache holds ------------------------------------------------------
 
@@ -283,8 +273,9 @@ def decide(caches: list[FastGenCache]):
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
-    prompt, recovery = first.from_sums(profile_layers(caches), first.held[3], first.sink,
-                                       layers=len(caches))  # (L * S, T), (L * S, M)
+    prompt, recovery = first.profile(None, None, first.held[3], sink=first.sink,
+                                     sums=profile_layers(caches), layers=len(caches))
+    # (L * S, T), (L * S, M)
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])  # (M, L * S, T)
     growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
     choose_policies(caches, prompt, recovery, keeps, growth)
@@ -359,7 +350,10 @@ def reserve(caches: list[nn.Module]):
         if not isinstance(c, FastGenCache):
             c.reserve()
     evict([c for c in fastgen if c.steps % c.evict_every == 0 and c.steps])
-    refill([c for c in fastgen if c.steps % c.evict_every == 0 or c.pool.ran_out()])
+    # Free slots for every step until the next eviction; groups that have fewer grow.
+    due = [c for c in fastgen if c.steps % c.evict_every == 0 or c.pool.ran_out()]
+    pool.hand_out([c.pool for c in due], [c.need() for c in due],
+                  [c.max_new_tokens - 1 - c.steps for c in due])
     for c in fastgen:
         c.pool.next_slot()
         c.clock.steps += 1
@@ -389,17 +383,6 @@ def evict(caches: list[FastGenCache]):
 
     by = torch.cat([c.evicts_by for c in caches])
     pool.evict([c.pool for c in caches], by, len(policies), names, segments, keeps)
-
-
-def refill(caches: list[FastGenCache]):
-    """Give every segment of every layer its next free slots, as many as the
-    steps until the next eviction; the groups that have fewer grow."""
-    by_need = {}
-    for c in caches:
-        by_need.setdefault(c.need(), []).append(c)
-    for need, layers in by_need.items():
-        pool.hand_out([c.pool for c in layers], need,
-                      [c.max_new_tokens - 1 - c.steps for c in layers])
 
 
 def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options):

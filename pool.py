@@ -484,10 +484,18 @@ def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps)
         p.forget()
 
 
-def hand_out(pools: list[Pool], need: int, remaining: list[int]):
-    """Give every segment of every pool its next `need` free slots, first in
-    slot order; the groups that have fewer grow (`remaining`: each pool's
-    tokens before its planned end). One host sync for all the pools."""
+def hand_out(pools: list[Pool], needs: list[int], remaining: list[int]):
+    """Give every segment of every pool its next free slots, `needs` of each
+    pool's, first in slot order; the groups that have fewer grow (`remaining`:
+    each pool's tokens before its planned end). One host sync per need."""
+    by_need = {}
+    for p, need, left in zip(pools, needs, remaining):
+        by_need.setdefault(need, []).append((p, left))
+    for need, some in by_need.items():
+        _hand_out([p for p, _ in some], need, [left for _, left in some])
+
+
+def _hand_out(pools: list[Pool], need: int, remaining: list[int]):
     def running_free():
         """Running count of free slots over the pools end to end, and its value
         before each segment's first slot; the pools' offsets."""

@@ -139,6 +139,21 @@ def add_bands(bands, rows_sum, chunk, windows, cols, i0: int) -> None:
     bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
 
 
+def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1) -> Slots:
+    """The prompts as the slots policies rank, one row per segment of `layers`
+    layers stacked, (layers * B * K, T): each token's position (-1 past its
+    prompt's end), the attention the rows read gave it, its flags from
+    `flags` (B, T), and the first row read."""
+    T = flags.shape[1]
+    per_seg = lambda t: t.repeat_interleave(n_kv_heads, dim=0).repeat(  # noqa: E731
+        layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * B * K, ...)
+    positions = torch.arange(T, device=lens.device)
+    return Slots(pos=per_seg(torch.where(positions < lens[:, None], positions, -1)),
+                 score=sums.colsum, flags=per_seg(flags), seen=per_seg(lens[:, None]),
+                 prompt_len=per_seg(lens[:, None]),
+                 first_query=per_seg(lens[:, None]) - sums.rows.long()[:, None], last=sums.last)
+
+
 def local_ratios(policies: list[Policy]) -> list[float]:
     """Every Local ratio used by a list of policies."""
     return sorted({m.r for p in policies for m in p.members() if isinstance(m, Local)})

@@ -321,7 +321,7 @@ class CheckedCache(nn.Module):
             # What each policy keeps of the prompt by the cache's own ranking: the
             # reference breaks its near-ties (float32 against float64) the same way.
             prompt, _ = self.cache.profile(q, k, tokens, self.cache.rows, self.cache.sink)
-            keeps = [p.keep(prompt) for p in self.cache.policies]
+            keeps = [prompt.keeps(p) for p in self.cache.policies]
             kept = [[set(prompt.pos[s][keep[s]].tolist()) for keep in keeps]
                     for s in range(len(prompt.pos))]
         else:

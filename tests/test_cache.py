@@ -6,7 +6,7 @@ import torch
 import cache
 import pool
 from cache import fastgen_caches
-from generate import decode_one_token, dense_kv_bytes, generate, make_caches
+from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
@@ -320,8 +320,9 @@ def test_threshold_one_makes_every_head_full():
     model = tiny_model()
     prompts = prompts_of([9, 16], seed=4)
     flags = random_flags(256, 0)
-    dense = generate(model, prompts, 12, kv="full")
-    gen = generate(model, prompts, 12, kv="fastgen", recovery=1.0, token_flags=flags)
+    dense = generate(model, prompts, 12)
+    gen = generate(model, prompts, 12, cache=CacheOptions("fastgen", recovery=1.0),
+                   token_flags=flags)
     assert all(p == "Full" for layer in gen.plan for p in layer)
     assert len(gen.plan) == model.args.n_layers
     assert all(len(layer) == 2 * model.args.n_kv_heads for layer in gen.plan)
@@ -425,13 +426,14 @@ def test_decode_compiles_once_without_graph_breaks(kv, decode_attention):
     prompts = prompts_of(lens, seed=7)
     flags = random_flags(256, 0)
     # At 0.75 each layer of this model has two groups, one with Local, both with Frequent.
-    caches = make_caches(model, kv, lens, max_new, flags, recovery=0.75)
+    caches = make_caches(model, CacheOptions(kv, recovery=0.75), lens, max_new, flags)
     expected = greedy(model, prompts, caches, max_new).argmax(-1)
     if kv == "fastgen":
         assert all(len(c.pool.groups) == 2 for c in caches)
     step, counters = fresh_compile()
     with torch.no_grad():
-        model.setup_caches(make_caches(model, kv, lens, max_new, flags, recovery=0.75))
+        model.setup_caches(make_caches(model, CacheOptions(kv, recovery=0.75), lens, max_new,
+                                       flags))
         cur, lens_t = first_token(model, prompts)
         out = [cur]
         for c in model.caches():
@@ -488,12 +490,12 @@ def test_a_plain_loop_without_reserve_is_still_right():
 
 
 def test_fastgen_without_token_flags_runs_or_says_why():
-    """`generate(..., kv="fastgen")` without a token-flags table either runs (no
-    token is special or punctuation; Special still keeps position 0) or raises
-    an error that names the missing argument."""
+    """`generate(..., cache=CacheOptions("fastgen"))` without a token-flags table
+    either runs (no token is special or punctuation; Special still keeps
+    position 0) or raises an error that names the missing argument."""
     model = tiny_model()
     try:
-        gen = generate(model, prompts_of([9]), 4, kv="fastgen")
+        gen = generate(model, prompts_of([9]), 4, cache=CacheOptions("fastgen"))
     except (ValueError, TypeError) as e:
         assert "token_flags" in str(e)
     else:
