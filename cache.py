@@ -1,29 +1,28 @@
 """The FastGen KV cache: every attention head keeps only what its policy needs.
 
-A cache *segment* is one (sequence, KV head) pair; a layer of batch B with K
-KV heads has B*K of them. The method, in the order it runs:
+A *segment* is one (sequence, KV head) pair; a layer of batch B with K KV
+heads has B*K of them. The method, in the order it runs:
 
-1. Prefill (`FastGenCache.prefill`). The layer attends over its whole prompt
-   as usual and holds the prompt's keys, values and the queries profiling
-   reads until the layers decide together (`Pending`).
-2. Profile and choose (`decide`). Profiling measures how much of each
-   segment's prompt attention every candidate policy recovers (profiling.py).
-   Each segment takes the first policy of the paper's shortlist that reaches
-   the threshold T, or, under a byte budget, the menu item that maximizes its
-   layer's recovered attention with all heads within the budget.
-3. Compress (`compress`). Each segment keeps only the prompt tokens its policy
+1. Prefill (`FastGenCache.prefill`): the layer attends over its prompt as
+   usual and holds its keys, values and the queries profiling reads.
+2. Profile and choose (`decide`): how much of each segment's prompt attention
+   every candidate policy recovers (profiling.py); each segment takes the
+   shortlist's first policy that reaches the threshold T (the paper), or,
+   under a byte budget, the menu item that maximizes its layer's recovered
+   attention with all heads within the budget.
+3. Compress (`compress`): each segment keeps the prompt tokens its policy
    keeps, in a pool whose bytes follow what is kept (pool.py).
-4. Decode (`FastGenCache.decode`). Each new token is written to a free slot of
+4. Decode (`FastGenCache.decode`): the new token is written to a free slot of
    its segment, attends to everything the segment holds, and adds the
    attention each held token got to its score (heavy hitters stay live).
-5. Between steps (`reserve`). Every `evict_every` steps each policy is asked
-   what it keeps of its segments, and the rest is freed (`evict`); then every
-   segment is handed its next free slots. With `evict_every=1` the cache
-   evicts after every token, as the paper describes; more amortizes the
-   ranking over several tokens, each segment holding that many extra.
+5. Between steps (`reserve`): every `evict_every` steps each policy says what
+   it keeps of its segments and the rest is freed (`evict`); every segment is
+   handed its next free slots. `evict_every=1` is the paper's schedule; more
+   pays for the ranking once per several tokens, each head holding that many
+   extra meanwhile.
 
-Steps 2, 3 and 5 run for several layers at once: done one layer at a time,
-their few hundred small operations cost as much as the arithmetic.
+Steps 2, 3 and 5 run for several layers at once (`Pending`): one layer at a
+time, their few hundred small operations cost as much as the arithmetic.
 """
 from __future__ import annotations
 
@@ -75,18 +74,14 @@ def _clock(device) -> float:
 class FastGenCache(nn.Module):
     """One layer's compressed cache.
 
-    `policies` is the candidates of each segment: one policy for every segment
-    (the baselines), the paper's shortlist (each segment takes the first whose
-    recovery reaches `threshold`), or a menu under `budget` (each segment takes
-    the item that maximizes the layer's total recovery with the tokens its
-    items will hold at most `budget` of what a full cache holds). Profiling
-    reads the last `rows` prompt rows (None: all of them) and, unless `sink`,
-    leaves the first token's attention out of the recovery. Eviction runs every
-    `evict_every` decode steps (None: half a page, at least EVICT_EVERY); pages
-    hold `page` slots (None: by prompt length). Layers that share `pending`
-    decide together. With `eager`, a small pool is laid out for masked
-    attention (pool.MaskedPool); otherwise every pool is paged, as compiled
-    code wants it.
+    `policies`: one for every segment (the baselines), the paper's shortlist
+    under `threshold`, or a menu under `budget` (a share of the tokens a full
+    cache holds). Profiling reads the last `rows` prompt rows (None: all) and,
+    unless `sink`, leaves the first token's attention out of the recovery.
+    Eviction runs every `evict_every` steps (None: half a page, at least
+    EVICT_EVERY); pages hold `page` slots (None: by prompt length). Layers that
+    share `pending` decide together. With `eager`, a small pool is laid out for
+    masked attention (pool.MaskedPool); otherwise every pool is paged.
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
@@ -151,11 +146,9 @@ class FastGenCache(nn.Module):
             self.page = pool.page_size(int(self.prompt_lens.max()))
         if self.evict_every is None:
             self.evict_every = max(EVICT_EVERY, self.page // 2)
-        room = min(self.evict_every, self.max_new_tokens - 1)  # for the first new tokens
         chosen = [self.policies[i] for i in sorted(set(choice))]
-        new = max(self.max_new_tokens - 1 - room, 0)  # planned for by the budget
         self.pool = pool.build(choice, kept, growth, any(p.reads_last for p in chosen),
-                               page=self.page, room=room, new=new, every=self.evict_every,
+                               page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device)
         self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
         self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
@@ -225,8 +218,7 @@ class FastGenCache(nn.Module):
     def kept(self) -> int:
         return self.pool.kept() if self.pool is not None else 0
 
-    def growths(self) -> int:
-        """Times a group widened while decoding (each a new shape for compiled code)."""
+    def growths(self) -> int:  # times a group widened (each a new shape for compiled code)
         return self.pool.n_growths if self.pool is not None else 0
 
     def plan(self) -> list[Policy]:
@@ -301,22 +293,18 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
     over each head's cost, the prompt tokens its policy keeps plus what it will
     keep of the new ones, within a share of what a full cache would hold."""
     L, M = len(caches), len(caches[0].policies)
-    S = len(recovery) // L
-    layers = [slice(i * S, (i + 1) * S) for i in range(L)]
-    for c, rows in zip(caches, layers):
-        c.recovery = recovery[rows]
-        if M == 1:
-            c.choice = torch.zeros(S, dtype=torch.long, device=recovery.device)
-        elif c.budget is None:
-            c.choice = choose(c.recovery, c.threshold)
-    budgeted = [i for i, c in enumerate(caches) if c.budget is not None and M > 1]
+    recovery = recovery.view(L, -1, M)  # (L, S, M)
+    for c, r in zip(caches, recovery):
+        c.recovery = r
+        c.choice = torch.zeros_like(r[:, 0], dtype=torch.long) if M == 1 else (
+            choose(r, c.threshold) if c.budget is None else None)
+    budgeted = [i for i, c in enumerate(caches) if c.choice is None]
     if budgeted:
         new = caches[0].max_new_tokens - 1
-        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()).view(L, S, M)
-        full = (prompt.prompt_len[layers[0]] + new).sum()
+        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()).view(L, -1, M)
+        full = (prompt.prompt_len[:recovery.shape[1]] + new).sum()  # a layer's, uncompressed
         allowed = [int(caches[i].budget * full) for i in budgeted]
-        picks = fit_budgets(recovery.view(L, S, M)[budgeted], costs[budgeted], allowed)
-        for i, pick in zip(budgeted, picks):
+        for i, pick in zip(budgeted, fit_budgets(recovery[budgeted], costs[budgeted], allowed)):
             caches[i].choice = pick
 
 
@@ -376,13 +364,9 @@ def evict(caches: list[FastGenCache]):
                     first_query=column(lambda c: c.seg_first_query))
     names = ["pos", "score", "flags"] + (["last"] if any(p.reads_last for p in policies) else [])
 
-    def keeps(i: int, rows: dict, seg: dict) -> torch.Tensor:
-        s = Slots(rows["pos"], rows["score"], rows["flags"], seg["seen"], seg["prompt_len"],
-                  seg["first_query"], rows.get("last"))
-        return s.keeps(policies[i])
-
     by = torch.cat([c.evicts_by for c in caches])
-    pool.evict([c.pool for c in caches], by, len(policies), names, segments, keeps)
+    pool.evict([c.pool for c in caches], by, len(policies), names, segments,
+               lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
 
 
 def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options):

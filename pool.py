@@ -109,14 +109,15 @@ def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
 
 
 def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
-          page: int, room: int, new: int, every: int, heads_per_kv: int, eager: bool,
-          device) -> Pool:
+          page: int, every: int, new: int, heads_per_kv: int, eager: bool, device) -> Pool:
     """A pool laid out for what each segment keeps of its prompt (`fill_from_prompt`
     fills it): on the host, each segment's policy index, its kept tokens and
-    its policy's `growth`. Each group gets room for `room` new tokens, plus
-    what the budget charged its policy for the `new` tokens after them (a
-    quarter of its width at most, as `grow` grows): a group of heads that keep
-    them all never grows. `every` is the tokens between evictions."""
+    its policy's `growth`. Each group gets room for the new tokens until the
+    first eviction (every `every` tokens), plus what the budget charged its
+    policy for the `new` tokens in all (a quarter of its width at most, as
+    `grow` grows): a group of heads that keep them all never grows."""
+    room = min(every, new)
+    new = max(new - room, 0)
     groups = []
     for i in sorted(set(choice)):
         seg = sorted((s for s in range(len(choice)) if choice[s] == i), key=kept.__getitem__)
