@@ -81,19 +81,22 @@ class FastGenCache(nn.Module):
     Eviction runs every `evict_every` steps (None: half a page, at least
     EVICT_EVERY); pages hold `page` slots (None: by prompt length). Layers that
     share `pending` decide together. With `eager`, a small pool is laid out for
-    masked attention (pool.MaskedPool); otherwise every pool is paged.
+    masked attention (pool.MaskedPool); otherwise every pool is paged. Under
+    tensor parallel, `heads` (tp.Heads) shares the budget's tables among the
+    ranks, so that the budget is the whole model's, as in one process.
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
-                 page: int | None = None, pending: Pending | None = None, eager: bool = True):
+                 page: int | None = None, pending: Pending | None = None, eager: bool = True,
+                 heads=None):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
         self.policies = list(policies)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
-        self.evict_every, self.page, self.eager = evict_every, page, eager
+        self.evict_every, self.page, self.eager, self.heads = evict_every, page, eager, heads
         self.max_new_tokens = max_new_tokens
         self.n_kv_heads = n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
@@ -301,10 +304,14 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
     budgeted = [i for i, c in enumerate(caches) if c.choice is None]
     if budgeted:
         new = caches[0].max_new_tokens - 1
-        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()).view(L, -1, M)
+        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()).view(L, -1, M)[budgeted]
+        values, heads = recovery[budgeted], caches[0].heads
+        if heads is not None:  # tensor parallel: every rank solves for every head
+            values, costs = heads.gather(values), heads.gather(costs)
         full = (prompt.prompt_len[:recovery.shape[1]] + new).sum()  # a layer's, uncompressed
-        allowed = [int(caches[i].budget * full) for i in budgeted]
-        for i, pick in zip(budgeted, fit_budgets(recovery[budgeted], costs[budgeted], allowed)):
+        full = full * costs.shape[1] // recovery.shape[1]  # every rank's heads
+        picks = fit_budgets(values, costs, [int(caches[i].budget * full) for i in budgeted])
+        for i, pick in zip(budgeted, picks if heads is None else heads.mine(picks)):
             caches[i].choice = pick
 
 

@@ -190,6 +190,8 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     elif o.kv == "fastgen":
         policies = menu(o.r_local, o.r_frequent, o.hh_score)
         kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget)
+        if tp.world() > 1:  # the budget is the whole model's: the ranks share their heads' tables
+            kw.update(heads=tp.Heads(len(prompt_lens)))
     else:  # the fixed policies as their authors define them
         policy = baseline(o.kv, 0.5 if o.kv_budget is None else o.kv_budget)
         policies = [policy]

@@ -21,7 +21,8 @@ below; `load_model` builds it through the plain loader (model.py knows
 nothing of ranks) and reads only the rank's slices of the weights. The KV
 cache of each layer sees only the rank's heads: every rank profiles,
 compresses and holds its own heads, and nothing in cache.py knows about
-ranks. Plain `torch.distributed` collectives are used: they are the
+ranks: in budget mode the cache is handed a `Heads`, which gathers every
+head's recoveries and costs so that the budget is the whole model's. Plain `torch.distributed` collectives are used: they are the
 simplest readable option and `torch.compile(fullgraph=True)` traces them.
 """
 from __future__ import annotations
@@ -226,6 +227,29 @@ class VocabShardedOutput(nn.Linear):
         dist.all_gather_single(parts, y.contiguous())  # ranks stacked along dim 0
         logits = parts.view(n, *y.shape).movedim(0, -2).flatten(-2)  # (B, T, N * V/N)
         return logits[..., :self.vocab_size]
+
+
+@dataclasses.dataclass
+class Heads:
+    """How a compressed cache's tables of every head are shared among the ranks,
+    so that the budget mode chooses for the whole model's heads as one process
+    would (cache.choose_policies): each rank holds, for each of `batch`
+    sequences, its own KV heads, and one process lists them sequence by
+    sequence, rank 0's heads first."""
+    batch: int
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(L, B * k, ...) this rank's rows -> (L, B * n * k, ...) every rank's."""
+        parts = [torch.empty_like(t) for _ in range(world())]
+        dist.all_gather(parts, t.contiguous())
+        L, B = t.shape[0], self.batch
+        x = torch.stack(parts).view(world(), L, B, -1, *t.shape[2:])  # (n, L, B, k, ...)
+        return x.transpose(0, 1).transpose(1, 2).reshape(L, -1, *t.shape[2:])
+
+    def mine(self, t: torch.Tensor) -> torch.Tensor:
+        """(L, B * n * k, ...) -> (L, B * k, ...) this rank's rows."""
+        L, B = t.shape[0], self.batch
+        return t.view(L, B, world(), -1, *t.shape[2:])[:, :, rank()].reshape(L, -1, *t.shape[2:])
 
 
 def gather_stats(gen, batch: int):

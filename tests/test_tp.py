@@ -22,6 +22,8 @@ PROMPTS = ["Hello, world! How are you?", "The quick brown fox jumps over the laz
 FOLLOW = [[5, 17, 42, 8, 99, 3], [7, 7, 1, 250, 64, 12]]  # teacher-forced continuations
 NEW = 10
 KINDS = ("full", "fastgen", "h2o", "snapkv")
+# The budget mode, FastGen's default: the budget is the whole model's, shared by every rank.
+BUDGETS = (0.5, 0.3)
 # `work` runs with every pool paged: a pool small enough for masked_attention
 # also holds a bias per segment and slot, and ranks with 1/n of the segments
 # hold 1/n of it in all, so their bytes would not add up to one process's (the
@@ -51,14 +53,16 @@ def split_into_shards(ckpt: Path):
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    """Tiny checkpoints with 8 query heads and 2 or 4 KV heads; the second is sharded and
-    its vocabulary (319) does not divide by 2 or 4."""
+    """Tiny checkpoints with 8 query heads and 2 or 4 KV heads, or 6 and 3 (for 3 ranks);
+    the second is sharded and its vocabulary (319) does not divide by 2 or 4."""
     out = {}
-    for kv_heads, vocab in ((2, 320), (4, 319)):
+    for kv_heads, vocab in ((2, 320), (4, 319), (3, 320)):
         path = tmp_path_factory.mktemp(f"kv{kv_heads}") / "ckpt"
         vocab = save_tiny_tokenizer(path, vocab)
-        save_tiny_hf(path, vocab_size=vocab, num_attention_heads=8, num_key_value_heads=kv_heads,
-                     eos_token_id=2, bos_token_id=1, seed=kv_heads)
+        shape = dict(num_attention_heads=6, hidden_size=96) if kv_heads == 3 else dict(
+            num_attention_heads=8)
+        save_tiny_hf(path, vocab_size=vocab, num_key_value_heads=kv_heads, eos_token_id=2,
+                     bos_token_id=1, seed=kv_heads, **shape)
         if kv_heads == 4:
             split_into_shards(path)
         out[kv_heads] = path
@@ -76,28 +80,32 @@ def work(ckpt):
     prompts = [Tokenizer(ckpt).encode(p) for p in PROMPTS]
     result = {"logits": score(model, prompts, FOLLOW),
               "logits_fastgen": score(model, prompts, FOLLOW,
-                                      cache=CacheOptions("fastgen", recovery=0.9))}
-    for kv in KINDS:
-        gen = main(PROMPTS, ckpt=str(ckpt), max_new_tokens=NEW, kv=kv, recovery=0.9)
-        result[kv] = {k: getattr(gen, k) for k in
-                      ("tokens", "plan", "recovery", "kv_bytes", "kv_bytes_per_rank",
-                       "full_kv_bytes", "kept_tokens", "seen_tokens")}
+                                      cache=CacheOptions("fastgen", recovery=0.9)),
+              "logits_budget": score(model, prompts, FOLLOW,
+                                     cache=CacheOptions("fastgen", kv_budget=0.4))}
+    runs = {kv: dict(kv=kv, recovery=0.9) for kv in KINDS}
+    runs |= {f"budget {b}": dict(kv="fastgen", kv_budget=b) for b in BUDGETS}
+    for name, options in runs.items():
+        gen = main(PROMPTS, ckpt=str(ckpt), max_new_tokens=NEW, **options)
+        result[name] = {k: getattr(gen, k) for k in
+                        ("tokens", "plan", "recovery", "kv_bytes", "kv_bytes_per_rank",
+                         "full_kv_bytes", "kept_tokens", "seen_tokens")}
     # Sampling: the ranks must draw the same tokens (gather_stats checks that they do).
     result["sampled"] = main(PROMPTS, ckpt=str(ckpt), max_new_tokens=NEW, temperature=1.0,
                              top_k=50, seed=1).tokens
     return result
 
 
-@pytest.mark.parametrize("kv_heads, n", [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("kv_heads, n", [(2, 2), (4, 2), (4, 4), (3, 3)])
 def test_tensor_parallel_equals_one_process(ckpts, tmp_path, kv_heads, n, monkeypatch):
     out = tmp_path / "tp.pt"
     r = torchrun(n, __file__, "work", ckpts[kv_heads], out)
     assert r.returncode == 0, r.stderr
     monkeypatch.setattr(pool, "MASKED_SCORES", PAGED)
     got, want = torch.load(out), work(ckpts[kv_heads])
-    for key in ("logits", "logits_fastgen"):
+    for key in ("logits", "logits_fastgen", "logits_budget"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
-    for kv in KINDS:
+    for kv in (*KINDS, *(f"budget {b}" for b in BUDGETS)):
         g, w = got[kv], want[kv]
         assert g["tokens"] == w["tokens"], kv
         assert g["plan"] == w["plan"], kv
@@ -116,11 +124,12 @@ def test_cli_with_compile(ckpts, tmp_path):
     from generate import main
     plan = tmp_path / "plan.json"
     r = torchrun(2, "generate.py", "--ckpt", ckpts[2], "--prompt", PROMPTS[0], "--max-new-tokens",
-                 8, "--kv", "fastgen", "--recovery", 0.9, "--save-plan", plan, "--compile")
+                 8, "--kv", "fastgen", "--save-plan", plan, "--compile")
     assert r.returncode == 0, r.stderr
-    # The threshold mode: the budget mode shares a budget among each rank's own heads.
-    alone = main(PROMPTS[0], ckpt=str(ckpts[2]), max_new_tokens=8, kv="fastgen", recovery=0.9)
+    # The default, budget mode: one budget for the whole model, as in one process.
+    alone = main(PROMPTS[0], ckpt=str(ckpts[2]), max_new_tokens=8, kv="fastgen")
     assert r.stdout == alone.texts[0] + "\n"
+    assert json.loads(plan.read_text())["plan"] == alone.plan
     assert r.stderr.count("KV cache allocated") == 1 and "per rank" in r.stderr
     assert json.loads(plan.read_text())["n_kv_heads"] == 2
 
