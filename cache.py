@@ -46,10 +46,9 @@ from profiling import (Profile, attention_sums, choose, fit_budgets, local_ratio
 # as often per token as a short one's, for the same slack relative to its size.
 EVICT_EVERY = 8
 # Prompt keys, values and profiled queries that layers waiting to decide
-# together may hold (`Pending`), besides one layer's: about 19 layers of a
-# 512-token prompt at batch 1, 5 at 2k, 2 at 4k; one at a time from 2k x 4 up,
-# where a layer's own operations outweigh their fixed cost. More held no
-# faster and raised the prefill's peak memory.
+# together may hold (`Pending`), besides one layer's: about 19 layers of a 512-token
+# prompt at batch 1, 5 at 2k, one at a time from 2k x 4 up. More held no faster
+# and raised the prefill's peak memory.
 HELD_BYTES = 16 << 20
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
@@ -96,7 +95,10 @@ class FastGenCache(nn.Module):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
         self.policies = list(policies)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
-        self.evict_every, self.page, self.eager, self.heads = evict_every, page, eager, heads
+        lens = prompt_lens  # (B,)
+        self.page = page or pool.page_size(int(lens.max()))
+        self.evict_every = evict_every or max(EVICT_EVERY, self.page // 2)
+        self.eager, self.heads = eager, heads
         self.max_new_tokens = max_new_tokens
         self.n_kv_heads = n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
@@ -108,7 +110,6 @@ class FastGenCache(nn.Module):
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
-        lens = self.prompt_lens
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     def forward(self, q, k, v, input_pos, tokens):
@@ -145,21 +146,16 @@ class FastGenCache(nn.Module):
         each segment's policy, its kept tokens, the policy's `growth`; G query
         heads per KV head."""
         device = prompt.pos.device
-        if self.page is None:
-            self.page = pool.page_size(int(self.prompt_lens.max()))
-        if self.evict_every is None:
-            self.evict_every = max(EVICT_EVERY, self.page // 2)
         chosen = [self.policies[i] for i in sorted(set(choice))]
         self.pool = pool.build(choice, kept, growth, any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device)
-        self.register_buffer("seg_prompt_len", prompt.prompt_len[:, 0].clone(), persistent=False)
-        self.register_buffer("seg_first_query", prompt.first_query[:, 0].clone(), persistent=False)
-        # Each segment's policy if it may still evict, else -1.
+        # Each segment's prompt length, first query profiled, and policy if it may still evict.
+        by = torch.tensor([-1 if self.policies[i].never_evicts else i for i in choice], device=device)
+        for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], evicts_by=by,
+                            seg_first_query=prompt.first_query[:, 0]).items():
+            self.register_buffer(name, t.clone(), persistent=False)
         self.evicting = any(not p.never_evicts for p in chosen)
-        self.register_buffer("evicts_by", torch.tensor(
-            [-1 if self.policies[i].never_evicts else i for i in choice], device=device),
-            persistent=False)
 
     def decode(self, q, k, v, input_pos, tokens):
         """One token per sequence: written to the slot `reserve` handed out,
@@ -270,8 +266,8 @@ def decide(caches: list[FastGenCache]):
                          "options and max_new_tokens")
     prompt, recovery = first.profile(None, None, first.held[3], sink=first.sink,
                                      sums=profile_layers(caches), layers=len(caches))
-    # (L * S, T), (L * S, M)
-    keeps = torch.stack([prompt.keeps(p) for p in first.policies])  # (M, L * S, T)
+    # The prompt's (L * S, T) slots and recoveries (L * S, M); each policy's keep (M, L * S, T).
+    keeps = torch.stack([prompt.keeps(p) for p in first.policies])
     growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
     choose_policies(caches, prompt, recovery, keeps, growth)
     compress(caches, prompt, keeps, growth)
@@ -370,7 +366,6 @@ def evict(caches: list[FastGenCache]):
     segments = dict(seen=column(FastGenCache.seen), prompt_len=column(lambda c: c.seg_prompt_len),
                     first_query=column(lambda c: c.seg_first_query))
     names = ["pos", "score", "flags"] + (["last"] if any(p.reads_last for p in policies) else [])
-
     by = torch.cat([c.evicts_by for c in caches])
     pool.evict([c.pool for c in caches], by, len(policies), names, segments,
                lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
