@@ -222,7 +222,7 @@ def prediction_table(variants, per_step, choice, n_policies, headline):
         passed = x >= headline
         fell = (passed & (y < headline)).float().sum() / passed.float().sum().clamp(min=1)
         rows.append((name, f"{r:.2f}", f"{(x - y).mean():+.3f}", f"{fell:.0%}"))
-    return table(["profiling", "r (prompt vs decode)", "mean gap", f"passed T, fell below it"], rows)
+    return table(["profiling", "r (prompt vs decode)", "mean gap", "passed T, fell below it"], rows)
 
 
 # --- 2 and 4. Pictures and report ----------------------------------------------

@@ -317,7 +317,7 @@ def fmt(v, key):
 
 
 def report(rows, meta, peer_error) -> str:
-    lines = [f"# Quality against KV memory at equal budget\n",
+    lines = ["# Quality against KV memory at equal budget\n",
              f"Measured on {meta['machine']}, torch {meta['torch']}, {meta['date']}; "
              f"{meta['runtime_s'] / 60:.1f} min"
              + (f" (+ {meta['peer_runtime_s'] / 60:.1f} min for the peer)" if meta["peer"] else "")
