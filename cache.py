@@ -127,13 +127,16 @@ class FastGenCache(nn.Module):
         self.pending.add(self)
         return causal_attention(q, k, v)
 
-    def profile(self, q, k, tokens, rows=None, sink=True, sums: Profile | None = None,
-                layers: int = 1) -> tuple[Slots, torch.Tensor]:
+    def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots, (S, T), scored by the attention of the rows read,
-        and the recovery of every policy, (S, n_policies); from profiling's
-        `sums` of `layers` layers stacked, (layers * S, ...)."""
-        if sums is None:
-            sums = attention_sums(q, k, self.prompt_lens, local_ratios(self.policies), rows)
+        and the recovery of every policy, (S, n_policies)."""
+        sums = attention_sums(q, k, self.prompt_lens, local_ratios(self.policies), rows)
+        return self.from_sums(sums, tokens, sink)
+
+    def from_sums(self, sums: Profile, tokens, sink: bool,
+                  layers: int = 1) -> tuple[Slots, torch.Tensor]:
+        """`profile` from profiling's `sums` of `layers` layers stacked: slots
+        (layers * S, T) and recoveries (layers * S, n_policies)."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
                               layers)
         prompt.keeps_all(self.policies)
@@ -151,7 +154,8 @@ class FastGenCache(nn.Module):
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device)
         # Each segment's prompt length, first query profiled, and policy if it may still evict.
-        by = torch.tensor([-1 if self.policies[i].never_evicts else i for i in choice], device=device)
+        by = torch.tensor([-1 if self.policies[i].never_evicts else i for i in choice],
+                          device=device)
         for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], evicts_by=by,
                             seg_first_query=prompt.first_query[:, 0]).items():
             self.register_buffer(name, t.clone(), persistent=False)
@@ -264,8 +268,8 @@ def decide(caches: list[FastGenCache]):
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
-    prompt, recovery = first.profile(None, None, first.held[3], sink=first.sink,
-                                     sums=profile_layers(caches), layers=len(caches))
+    prompt, recovery = first.from_sums(profile_layers(caches), first.held[3], first.sink,
+                                       layers=len(caches))
     # The prompt's (L * S, T) slots and recoveries (L * S, M); each policy's keep (M, L * S, T).
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])
     growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
@@ -294,9 +298,11 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
     L, M = len(caches), len(caches[0].policies)
     recovery = recovery.view(L, -1, M)  # (L, S, M)
     for c, r in zip(caches, recovery):
-        c.recovery = r
-        c.choice = torch.zeros_like(r[:, 0], dtype=torch.long) if M == 1 else (
-            choose(r, c.threshold) if c.budget is None else None)
+        c.recovery, c.choice = r, None
+        if M == 1:
+            c.choice = torch.zeros_like(r[:, 0], dtype=torch.long)
+        elif c.budget is None:
+            c.choice = choose(r, c.threshold)
     budgeted = [i for i, c in enumerate(caches) if c.choice is None]
     if budgeted:
         new = caches[0].max_new_tokens - 1

@@ -28,6 +28,7 @@ its pages. `MaskedPool`, for small pools attended eagerly, keeps K as one
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 from dataclasses import dataclass
@@ -134,8 +135,9 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     return (MaskedPool if masked else PagedPool)(groups, page, every, fields, len(choice), device)
 
 
-class Pool(nn.Module):
-    """One layer's pool of pages. Subclasses say how K is stored and attended."""
+class Pool(nn.Module, abc.ABC):
+    """One layer's pool of pages. The two layouts, `PagedPool` and `MaskedPool`,
+    say how K is stored, written and attended."""
 
     def __init__(self, groups: list[Group], page: int, every: int, fields: dict, segments: int,
                  device):
@@ -260,18 +262,19 @@ class Pool(nn.Module):
             torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
 
     # What the layouts differ in.
+    @abc.abstractmethod
     def keys(self, k):
         """The pool's K from its (M, D) rows."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def write_key(self, slot, k):
-        raise NotImplementedError
+        """Each segment's new key, k (S, D), into its slot."""
 
+    @abc.abstractmethod
     def attend(self, q):
         """One query per segment, q (S, G, D), over the slots it holds: the output
         (S, G, D) and the attention each slot got, (N, P) in float32, averaged
         over the G query heads."""
-        raise NotImplementedError
 
     def pages(self, name: str) -> torch.Tensor:
         """A field as pages, (N, P, ...) or K's (N, D, P)."""

@@ -22,8 +22,9 @@ nothing of ranks) and reads only the rank's slices of the weights. The KV
 cache of each layer sees only the rank's heads: every rank profiles,
 compresses and holds its own heads, and nothing in cache.py knows about
 ranks: in budget mode the cache is handed a `Heads`, which gathers every
-head's recoveries and costs so that the budget is the whole model's. Plain `torch.distributed` collectives are used: they are the
-simplest readable option and `torch.compile(fullgraph=True)` traces them.
+head's recoveries and costs so that the budget is the whole model's. Plain
+`torch.distributed` collectives are used: they are the simplest readable
+option and `torch.compile(fullgraph=True)` traces them.
 """
 from __future__ import annotations
 
@@ -244,7 +245,7 @@ class Heads:
         dist.all_gather(parts, t.contiguous())
         L, B = t.shape[0], self.batch
         x = torch.stack(parts).view(world(), L, B, -1, *t.shape[2:])  # (n, L, B, k, ...)
-        return x.transpose(0, 1).transpose(1, 2).reshape(L, -1, *t.shape[2:])
+        return x.movedim(0, 2).reshape(L, -1, *t.shape[2:])  # (L, B, n, k, ...) flattened
 
     def mine(self, t: torch.Tensor) -> torch.Tensor:
         """(L, B * n * k, ...) -> (L, B * k, ...) this rank's rows."""
