@@ -34,7 +34,7 @@ import torch.nn as nn
 
 import pool
 from model import causal_attention
-from policies import Policy, Slots
+from policies import Full, Policy, Slots
 from profiling import (Profile, attention_sums, choose, fit_budgets, local_ratios, prompt_slots,
                        recoveries)
 
@@ -61,7 +61,10 @@ class Clock:
     """Where a cache's decoding stands: a plain object, as an nn.Module's
     attribute writes run through Python checks (about 4 us each)."""
     steps: int = 0  # decode steps reserved so far
-    ready: bool = False  # the next step's slots are handed out (`reserve`)
+    since: int = 0  # tokens taken since the last eviction: decode steps and chunks
+    read: bool = False  # a chunk was read since the last eviction
+    ready: int = 0  # tokens per sequence the next step's slots are handed out for (`reserve`)
+    chunk: bool = False  # the next step is a chunk (`reserve` had counts, or more than one)
 
 
 def _clock(device) -> float:
@@ -115,6 +118,8 @@ class FastGenCache(nn.Module):
     def forward(self, q, k, v, input_pos, tokens):
         if self.pool is None:
             return self.prefill(q, k, v, tokens)
+        if q.shape[2] > 1 or self.clock.chunk:
+            return self.chunk(q, k, v, input_pos, tokens)
         return self.decode(q, k, v, input_pos, tokens)
 
     def prefill(self, q, k, v, tokens):
@@ -154,23 +159,26 @@ class FastGenCache(nn.Module):
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device)
         # Each segment's prompt length, first query profiled, and policy if it may still evict.
-        by = torch.tensor([-1 if self.policies[i].never_evicts else i for i in choice],
-                          device=device)
-        for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], evicts_by=by,
-                            seg_first_query=prompt.first_query[:, 0]).items():
-            self.register_buffer(name, t.clone(), persistent=False)
-        self.evicting = any(not p.never_evicts for p in chosen)
+        # Each segment's policy if it may drop a token after a chunk (all but
+        # Full's) and if it may while decoding (not SnapKV's either, which
+        # compresses what it reads only).
+        drops = [-1 if Full() in self.policies[i].members() else i for i in choice]
+        evicts = [-1 if self.policies[i].never_evicts else i for i in drops]
+        for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=drops,
+                            evicts_by=evicts, seg_first_query=prompt.first_query[:, 0]).items():
+            self.register_buffer(name, torch.as_tensor(t, device=device).clone(), persistent=False)
+        self.drops, self.evicting = max(drops) >= 0, max(evicts) >= 0  # on the host
 
     def decode(self, q, k, v, input_pos, tokens):
         """One token per sequence: written to the slot `reserve` handed out,
         attended to with everything the segment holds, and scored."""
-        if not self.clock.ready:
+        if self.clock.ready != 1:
             # Without its reservation the step would write over the slot of the
             # last one and never evict: wrong logits, in silence.
             if torch.compiler.is_compiling():
                 raise RuntimeError(UNRESERVED)
             reserve([self])
-        self.clock.ready = False
+        self.clock.ready = 0
         B, H, _, D = q.shape
         K = self.n_kv_heads
         S = B * K
@@ -180,6 +188,34 @@ class FastGenCache(nn.Module):
         y, last = self.pool.attend(q.view(S, H // K, D))
         self.pool.add_scores(last)
         return y.view(B, H, 1, D)
+
+    def chunk(self, q, k, v, input_pos, tokens):
+        """T tokens per sequence on top of what the cache holds (a chat's next
+        turn, a long prompt in pieces): written to the slots `reserve` handed
+        out, each query attends to what its segment holds and, causally, to the
+        chunk, and every held token gains the attention the chunk gave it. The
+        chunk counts as read, like the prompt (policies size their windows by
+        what was read); what each policy keeps of it is settled at the next
+        `reserve`, as for tokens decoded one by one with eviction deferred to
+        the chunk's end. A sequence of the batch may take fewer than T
+        (`reserve`'s counts); its other tokens are padding, never held."""
+        B, H, T, D = q.shape
+        K = self.n_kv_heads
+        S = B * K
+        if self.clock.ready != T:  # eager only: chunks are never compiled
+            reserve([self], T)
+        self.clock.ready, self.clock.chunk = 0, False
+        counts = self.counts.repeat_interleave(K)  # (S,)
+        valid = torch.arange(T, device=q.device) < counts[:, None]  # (S, T)
+        at = input_pos[:, None].expand(B, K, T).reshape(S, T)
+        flags = self.token_flags[tokens][:, None].expand(B, K, T).reshape(S, T)
+        self.pool.write(k.reshape(S * T, D), v.reshape(S * T, D),
+                        at.masked_fill(~valid, -1).view(-1), flags.reshape(-1),
+                        self.pool.taking.reshape(-1))
+        self.pool.forget()  # padding written is no slot's
+        y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid)
+        self.seg_prompt_len += counts
+        return y.view(B, H, T, D)
 
     # --- What the cache holds ------------------------------------------------------
 
@@ -205,17 +241,17 @@ class FastGenCache(nn.Module):
         tokens planned, as in a chat, a round's worth)."""
         E = self.evict_every
         remaining = self.max_new_tokens - 1 - self.steps
-        return min(E - self.steps % E, remaining) if remaining > 0 else E
+        return min(E - self.clock.since % E, remaining) if remaining > 0 else E
 
-    def reserve(self):
+    def reserve(self, tokens=1):
         """`reserve` of this layer alone."""
-        reserve([self])
+        reserve([self], tokens)
 
     def nbytes(self) -> int:
         """Bytes the cache really holds: K, V and every index and score tensor."""
         if self.pool is None:
             return 0
-        own = (self.seg_prompt_len, self.seg_first_query, self.evicts_by)
+        own = (self.seg_prompt_len, self.seg_first_query, self.evicts_by, self.drops_by)
         return self.pool.nbytes() + sum(t.nbytes for t in own)
 
     def kept(self) -> int:
@@ -337,24 +373,36 @@ def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
 
 # --- 5. Between steps: evict, hand out slots ----------------------------------------
 
-def reserve(caches: list[nn.Module]):
-    """Before every decode step, outside compiled code, for every layer's cache:
-    evict when due (all the layers due at once), hand out free slots when the
-    last ones are used, and point the step at its slots. Caches of other kinds
+def reserve(caches: list[nn.Module], tokens=1):
+    """Before every step, outside compiled code, for every layer's cache: evict
+    when due (all the layers due at once), hand out free slots when the last
+    ones are used, and point the step at its slots. `tokens`: what the step
+    takes per sequence, 1 (a decode step) or a chunk's T, or (B,) counts of a
+    chunk whose sequences take fewer (the rest padding). Caches of other kinds
     `reserve` themselves."""
     fastgen = [c for c in caches if isinstance(c, FastGenCache)]
     for c in caches:
         if not isinstance(c, FastGenCache):
             c.reserve()
-    evict([c for c in fastgen if c.steps % c.evict_every == 0 and c.steps])
+    counts = None if isinstance(tokens, int) else torch.as_tensor(tokens)
+    T = tokens if counts is None else int(counts.max())
+    evicting = [c for c in fastgen if c.clock.since >= c.evict_every]
+    due = evicting + [c for c in fastgen if c.clock.since < c.evict_every and c.pool.left() < T]
+    evict(evicting)
     # Free slots for every step until the next eviction; groups that have fewer grow.
-    due = [c for c in fastgen if c.steps % c.evict_every == 0 or c.pool.ran_out()]
-    pool.hand_out([c.pool for c in due], [c.need() for c in due],
+    pool.hand_out([c.pool for c in due], [max(c.need(), T) for c in due],
                   [c.max_new_tokens - 1 - c.steps for c in due])
+    chunk = counts is not None or T > 1
     for c in fastgen:
-        c.pool.next_slot()
-        c.clock.steps += 1
-        c.clock.ready = True
+        c.pool.next_slot(T)
+        c.clock.ready, c.clock.chunk = T, chunk
+        c.clock.since += T
+        if not chunk:
+            c.clock.steps += 1
+        else:  # each sequence's tokens in the chunk
+            c.clock.read = True
+            c.counts = torch.full_like(c.prompt_lens, T) if counts is None else counts.to(
+                c.prompt_lens.device)
 
 
 def evict(caches: list[FastGenCache]):
@@ -362,9 +410,16 @@ def evict(caches: list[FastGenCache]):
     each policy is asked once, about its own segments of all the layers
     (pool.evict lays them out as padded rows). The layers must share one list
     of policies (`fastgen_caches` makes them so)."""
-    caches = [c for c in caches if c.evicting]
-    if not caches:
+    due = []
+    for c in caches:
+        # After a chunk, every policy but Full says what it keeps of what was read.
+        by, asks = (c.drops_by, c.drops) if c.clock.read else (c.evicts_by, c.evicting)
+        c.clock.since, c.clock.read = 0, False
+        if asks:
+            due.append((c, by))
+    if not due:
         return
+    caches, by = zip(*due)
     policies = caches[0].policies
     if any(c.policies != policies for c in caches):
         raise ValueError("evict: the layers' caches must share one list of policies")
@@ -372,8 +427,7 @@ def evict(caches: list[FastGenCache]):
     segments = dict(seen=column(FastGenCache.seen), prompt_len=column(lambda c: c.seg_prompt_len),
                     first_query=column(lambda c: c.seg_first_query))
     names = ["pos", "score", "flags"] + (["last"] if any(p.reads_last for p in policies) else [])
-    by = torch.cat([c.evicts_by for c in caches])
-    pool.evict([c.pool for c in caches], by, len(policies), names, segments,
+    pool.evict([c.pool for c in caches], torch.cat(by), len(policies), names, segments,
                lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
 
 

@@ -384,10 +384,14 @@ class SnapKV(Policy):
 
     @staticmethod
     def pooled(kernel, s):
-        """(N, C) the scores max-pooled over `kernel` neighbouring slots: over
-        neighbouring tokens at prefill, where the slots are the prompt in order."""
-        return torch.nn.functional.max_pool1d(
-            s.score.masked_fill(~s.valid, 0)[:, None], kernel, 1, kernel // 2)[:, 0]
+        """(N, C) the scores max-pooled over the held tokens within kernel // 2
+        positions (a token not held counts 0): laid out by position, pooled,
+        read back, as slots are in position order only at prefill."""
+        width = int(s.pos.max()) + 2  # every position, and one column for empty slots
+        at = s.pos.masked_fill(~s.valid, width - 1).long()
+        by_pos = s.score.new_zeros(len(at), width).scatter_(1, at, s.score.masked_fill(~s.valid, 0))
+        by_pos = torch.nn.functional.max_pool1d(by_pos[:, None, :-1], kernel, 1, kernel // 2)[:, 0]
+        return torch.nn.functional.pad(by_pos, (0, 1)).gather(1, at)
 
     @classmethod
     def rankings(cls, policies, s):

@@ -17,6 +17,7 @@ The interface the cache uses, one layer at a time:
     Pool.write          each segment's new token, into the slot handed out for it
     Pool.attend         one query per segment over the slots it holds
     Pool.add_scores     the attention each slot just got, added to its score
+    Pool.attend_chunk   a chunk's queries over the slots, scored: several tokens at once
     evict               each policy's rows of several layers; frees what it drops
     hand_out            every segment's next free slots; groups that run short grow
 
@@ -126,7 +127,7 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
         for g, pages in group_pages(sizes, room, page):
             group = Group(i, seg[g], max(growth[s] for s in seg[g]))
             planned = min(math.ceil(group.growth * new), pages * page // 4)
-            group.pages = -(-(sizes[g.stop - 1] + room + planned) // page)
+            group.pages = max(1, -(-(sizes[g.stop - 1] + room + planned) // page))
             groups.append(group)
     # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
     fields = {n: e for n, e in SLOT_FIELDS.items() if n != "last" or reads_last}
@@ -183,10 +184,10 @@ class Pool(nn.Module, abc.ABC):
 
     # --- A decode step -----------------------------------------------------------
 
-    def write(self, k, v, pos, flags):
+    def write(self, k, v, pos, flags, slot=None):
         """Each segment's new token, k and v (S, D), its position and flags (S,),
-        into the slot `dest` holds for it."""
-        slot, D = self.dest, v.shape[-1]
+        into the slot `dest` holds for it; or n tokens, (n, D) and (n,), into `slot`."""
+        slot, D = self.dest if slot is None else slot, v.shape[-1]
         self.write_key(slot, k)
         self.v.view(-1, D).index_copy_(0, slot, v)
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
@@ -198,15 +199,46 @@ class Pool(nn.Module, abc.ABC):
             self.last.copy_(last)
         self.score += last
 
+    def attend_chunk(self, q, at, valid):
+        """T queries per segment, q (S, G, T, D), at positions at (S, T), each
+        over the slots its segment holds up to its own position (the chunk's
+        keys are written already): the output (S, G, T, D). Every slot's score
+        gains the attention the valid queries (valid: (S, T) bool) gave it, and
+        `last` becomes the latest valid query's. A group at a time, as (n, C)
+        rows, in float32: a chunk is eager, and its T queries amortize the gather."""
+        S, G, T, D = q.shape
+        y = q.new_zeros(q.shape)
+        keys = self.key_pages()  # (N, P, D)
+        latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
+        for g in self.groups:
+            seg = g.seg.to(q.device)
+            k, v, pos = g.block(keys), g.block(self.v), g.block(self.pos)  # (n, C, D), (n, C)
+            seen = (pos[:, None] >= 0) & (pos[:, None] <= at[seg, :, None])  # (n, T, C)
+            scores = (q[seg] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()  # (n, G, T, C)
+            probs = scores.masked_fill(~seen[:, None], -math.inf).softmax(-1).nan_to_num_(0.0)
+            y[seg] = (probs.to(v.dtype) @ v[:, None]).to(y.dtype)
+            got = probs.mean(1)  # (n, T, C), averaged over the G query heads
+            g.block(self.score).add_((got * valid[seg, :, None]).sum(1))
+            if "last" in self.fields:
+                last = (got * latest[seg, :, None]).sum(1)
+                block = g.block(self.last)
+                block.copy_(torch.where(valid[seg].any(1, keepdim=True), last, block))
+        return y
+
     # --- Between steps -----------------------------------------------------------
 
-    def next_slot(self):
-        """Point the step at each segment's next free slot."""
-        self.dest.copy_(self.free[:, self.cursor.at])
-        self.cursor.at += 1
+    def next_slot(self, n: int = 1):
+        """Point the step at each segment's next free slot (`dest`), or a chunk
+        at its next n (`taking`, (S, n))."""
+        at = self.cursor.at
+        self.taking = self.free[:, at:at + n]
+        if n == 1:
+            self.dest.copy_(self.free[:, at])
+        self.cursor.at += n
 
-    def ran_out(self) -> bool:
-        return self.cursor.at == self.free.shape[1]
+    def left(self) -> int:
+        """Free slots handed out that no step has taken yet, per segment."""
+        return self.free.shape[1] - self.cursor.at
 
     def grow(self, counts: list[int], need: int, remaining: int) -> bool:
         """Widen the groups in which a segment has fewer than `need` free slots
@@ -280,6 +312,10 @@ class Pool(nn.Module, abc.ABC):
         """A field as pages, (N, P, ...) or K's (N, D, P)."""
         return getattr(self, name)
 
+    def key_pages(self) -> torch.Tensor:
+        """K as (N, P, D) pages, a view."""
+        return self.pages("k")
+
     def from_pages(self, name: str, t: torch.Tensor) -> torch.Tensor:
         return t
 
@@ -306,6 +342,9 @@ class PagedPool(Pool):
     def attend(self, q):
         return paged_attention(q, self.k, self.v, self.pos < 0, self.owner)
 
+    def key_pages(self):
+        return self.k.transpose(1, 2)
+
 
 class MaskedPool(Pool):
     """K as one (D, N * P), attended by every query, kept to its own slots by a
@@ -316,7 +355,8 @@ class MaskedPool(Pool):
 
     def write_key(self, slot, k):
         self.k.index_copy_(1, slot, k.T)
-        self.bias.view(len(slot), -1).scatter_(1, slot[:, None], 0.0)  # the new token, seen
+        # Each new token, seen by its own segment.
+        self.bias.view(len(self.dest), -1)[self.owner[slot // self.page], slot] = 0.0
 
     def attend(self, q):
         y, last = masked_attention(q, self.k, self.v.view(-1, self.v.shape[-1]), self.bias)

@@ -178,6 +178,7 @@ class Reference:
         self.choice = []
         self.dropped = 0  # held tokens let go later, all segments together
         self.steps = 0  # decode steps so far
+        self.since = 0  # tokens taken since the last eviction
         self.last = {}  # segment -> the latest query's attention, per position
         for b, L in enumerate(self.lens):
             for h in range(K):
@@ -188,6 +189,7 @@ class Reference:
                 first = L - min(self.rows or L, L)
                 colsum = A[:, first:].sum(1).mean(0).tolist()  # (L,) attention each token received
                 last = A[:, -1].mean(0).tolist()  # from the last row alone
+                self.last[s] = last
                 self.first[s] = first
                 self.recovery[s] = torch.tensor([
                     brute_recovery(p, A, L, self.flags[b], colsum, self.rows, self.sink, last,
@@ -226,42 +228,71 @@ class Reference:
             return cache_choice
         return next((i for i, r in enumerate(recovery.tolist()) if r >= self.threshold), n - 1)
 
+    def evict(self, state):
+        """Each segment lets go of what its policy no longer keeps, ranked by the
+        scores so far and the latest query's attention; `state` is the cache's
+        after its eviction (for ties)."""
+        for s in self.kept:
+            b = s // self.K
+            held = self.kept[s]
+            self.kept[s] = keep(self.policy[s], held, len(self.flags[b]), self.lens[b],
+                                self.flags[b], self.score[s], state.kept[s], self.first[s],
+                                self.last[s])
+            self.dropped += len(held - self.kept[s])
+        self.since = 0
+
+    def take(self, b, q, k, v, p, token):
+        """Sequence b's token at position p: q (H, D), k, v (K, D); appended,
+        attended to over what each of its segments keeps, and scored. Returns
+        the output (H, D)."""
+        K, (H, D) = self.K, q.shape
+        G = H // K
+        assert p == len(self.flags[b]), "positions must advance one token at a time"
+        self.flags[b].append(self.token_flags[int(token)])
+        y = torch.zeros(H, D, dtype=torch.float64)
+        for h in range(K):
+            s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
+            self.k[s] = torch.cat([self.k[s], k[h, None].double()])  # (p + 1, D)
+            self.v[s] = torch.cat([self.v[s], v[h, None].double()])
+            self.kept[s] = self.kept[s] | {p}
+            mask = torch.zeros(p + 1, dtype=torch.bool)
+            mask[sorted(self.kept[s])] = True
+            logits = q[heads].double() @ self.k[s].T / math.sqrt(D)  # (G, p + 1)
+            probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
+            y[heads] = probs @ self.v[s]
+            self.last[s] = probs.mean(0).tolist()
+            self.score[s] = {j: self.score[s].get(j, 0.0) + self.last[s][j] for j in self.kept[s]}
+        return y
+
     def decode(self, q, k, v, input_pos, tokens, state):
         """One new token per sequence. q: (B, H, 1, D), k, v: (B, K, 1, D),
-        input_pos, tokens: (B, 1). Every `evict_every` steps, before the step,
-        each segment first lets go of what its policy no longer keeps, ranked by
-        the scores so far and the previous query's attention; `state` is the
+        input_pos, tokens: (B, 1). Once `evict_every` tokens were taken since
+        the last eviction, the step first evicts (`evict`); `state` is the
         cache's after that eviction (for ties). Returns the output (B, H, 1, D)."""
-        B, H, _, D = q.shape
-        K, G = self.K, H // self.K
-        if self.steps and self.steps % self.evict_every == 0:
-            for b in range(B):
-                for h in range(K):
-                    s = self.seg(b, h)
-                    held = self.kept[s]
-                    self.kept[s] = keep(self.policy[s], held, len(self.flags[b]), self.lens[b],
-                                        self.flags[b], self.score[s], state.kept[s], self.first[s],
-                                        self.last[s])
-                    self.dropped += len(held - self.kept[s])
-        y = torch.zeros(B, H, 1, D, dtype=torch.float64)
-        for b in range(B):
-            p = int(input_pos[b, 0])
-            assert p == len(self.flags[b]), "positions must advance one token at a time"
-            self.flags[b].append(self.token_flags[int(tokens[b, 0])])
-            for h in range(K):
-                s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
-                self.k[s] = torch.cat([self.k[s], k[b, h].double()])  # (p + 1, D)
-                self.v[s] = torch.cat([self.v[s], v[b, h].double()])
-                self.kept[s] = self.kept[s] | {p}
-                mask = torch.zeros(p + 1, dtype=torch.bool)
-                mask[sorted(self.kept[s])] = True
-                logits = q[b, heads, 0].double() @ self.k[s].T / math.sqrt(D)  # (G, p + 1)
-                probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
-                y[b, heads, 0] = probs @ self.v[s]
-                self.last[s] = probs.mean(0).tolist()
-                self.score[s] = {j: self.score[s].get(j, 0.0) + self.last[s][j]
-                                 for j in self.kept[s]}
+        if self.since >= self.evict_every:
+            self.evict(state)
+        y = torch.stack([self.take(b, q[b, :, 0], k[b, :, 0], v[b, :, 0], int(input_pos[b, 0]),
+                                   tokens[b, 0]) for b in range(len(q))])
         self.steps += 1
+        self.since += 1
+        return y[:, :, None]
+
+    def chunk(self, q, k, v, input_pos, tokens, counts, state):
+        """T tokens per sequence, of which sequence b takes the first counts[b]
+        (the rest is padding): each taken as a decode step would take it, with
+        eviction deferred until the chunk's end; the chunk then counts as read,
+        like the prompt. q: (B, H, T, D), k, v: (B, K, T, D). Returns the output
+        (B, H, T, D), zero on padding."""
+        if self.since >= self.evict_every:
+            self.evict(state)
+        B, H, T, D = q.shape
+        y = torch.zeros(B, H, T, D, dtype=torch.float64)
+        for b in range(B):
+            for t in range(int(counts[b])):
+                y[b, :, t] = self.take(b, q[b, :, t], k[b, :, t], v[b, :, t],
+                                       int(input_pos[b, t]), tokens[b, t])
+            self.lens[b] += int(counts[b])
+        self.since += T
         return y
 
 
@@ -285,8 +316,13 @@ class State:
         # The slot each segment's next token goes to, and whether it is free and its own.
         flat = cache.pool.pos.view(-1)
         owner = cache.pool.owner.repeat_interleave(cache.page)
-        self.dest_ok = [bool(flat[j] < 0 and owner[j] == s)
+        self.dest_ok = [j < len(flat) and bool(flat[j] < 0 and owner[j] == s)
                         for s, j in enumerate(cache.pool.dest.tolist())]
+        # A chunk's: every slot handed out for it free and its own, none twice.
+        taking = getattr(cache.pool, "taking", None)
+        self.taking_ok = taking is None or all(
+            len(set(row)) == len(row) and all(flat[j] < 0 and owner[j] == s for j in row)
+            for s, row in enumerate(taking.tolist()))
 
 
 def compare(ref: Reference, state: State):
@@ -311,9 +347,12 @@ class CheckedCache(nn.Module):
                              cache.budget, cache.evict_every)
         self.atol = atol
         self.steps = 0
+        self.tokens = 1
 
-    def reserve(self):
-        """`forward` reserves, and checks that it left room."""
+    def reserve(self, tokens=1):
+        """`forward` reserves, and checks that it left room; a chunk's counts are
+        given here (`cache.reserve`'s `tokens`)."""
+        self.tokens = tokens
 
     def forward(self, q, k, v, input_pos, tokens):
         prefill = self.cache.pool is None
@@ -325,9 +364,12 @@ class CheckedCache(nn.Module):
             kept = [[set(prompt.pos[s][keep[s]].tolist()) for keep in keeps]
                     for s in range(len(prompt.pos))]
         else:
-            self.cache.reserve()
+            T, tokens_taken, self.tokens = q.shape[2], self.tokens, 1
+            chunk = T > 1 or not isinstance(tokens_taken, int)
+            self.cache.reserve(tokens_taken)
             before = State(self.cache)
-            assert all(before.dest_ok), "reserve pointed a segment at a slot not free or not its own"
+            assert before.taking_ok if chunk else all(before.dest_ok), \
+                "reserve pointed a segment at a slot not free or not its own"
         y = self.cache(q, k, v, input_pos, tokens)
         if prefill:
             self.cache.pending.flush()  # this layer's choice now, not with the others'
@@ -343,22 +385,30 @@ class CheckedCache(nn.Module):
             for b, L in enumerate(self.ref.lens):
                 torch.testing.assert_close(y[b, :, :L].double(), expected[b, :, :L],
                                            atol=self.atol, rtol=0)
-        else:
+        elif not chunk:
             expected = self.ref.decode(q, k, v, input_pos, tokens, before)
             torch.testing.assert_close(y.double(), expected, atol=self.atol, rtol=0)
             self.steps += 1
+        else:
+            counts = [T] * len(q) if isinstance(tokens_taken, int) else list(tokens_taken)
+            expected = self.ref.chunk(q, k, v, input_pos, tokens, counts, before)
+            for b, n in enumerate(counts):
+                torch.testing.assert_close(y[b, :, :n].double(), expected[b, :, :n],
+                                           atol=self.atol, rtol=0)
         compare(self.ref, state)
         return y
 
 
 def drive(policies, threshold, stream, lens, n_heads, n_kv_heads, max_new_tokens, token_flags, *,
-          head_dim=8, seed=0, scale=1.5, **options) -> CheckedCache:
+          head_dim=8, seed=0, scale=1.5, chunks=None, **options) -> CheckedCache:
     """Run a FastGenCache and the reference on random queries, keys and values:
-    a prefill of prompts `lens` long, then max_new_tokens - 1 decode steps.
+    a prefill of prompts `lens` long, then max_new_tokens - 1 decode steps, or
+    the steps `chunks` lists: each a list of how many tokens each sequence
+    takes (one for all: a decode step; more: a chunk, its width the most).
 
-    stream: (B, max(lens) + max_new_tokens - 1) token ids; sequence b's prompt is
-    stream[b, :lens[b]] and its new tokens follow. `scale` sharpens attention
-    so that heavy hitters stand out. `options` go to FastGenCache.
+    stream: (B, width) token ids; sequence b's prompt is stream[b, :lens[b]]
+    and its next tokens follow. `scale` sharpens attention so that heavy
+    hitters stand out. `options` go to FastGenCache.
     """
     from cache import FastGenCache
     g = torch.Generator().manual_seed(seed)
@@ -372,8 +422,12 @@ def drive(policies, threshold, stream, lens, n_heads, n_kv_heads, max_new_tokens
         checked(randn(B, n_heads, T, D) * scale, randn(B, n_kv_heads, T, D) * scale,
                 randn(B, n_kv_heads, T, D), torch.arange(T).expand(B, T), stream[:, :T])
         pos = torch.tensor(lens)[:, None]
-        for step in range(max_new_tokens - 1):
-            tokens = stream.gather(1, pos + step)
-            checked(randn(B, n_heads, 1, D) * scale, randn(B, n_kv_heads, 1, D) * scale,
-                    randn(B, n_kv_heads, 1, D), pos + step, tokens)
+        for counts in chunks or [[1] * B] * (max_new_tokens - 1):
+            n = max(counts)
+            at = (pos + torch.arange(n)).clamp(max=stream.shape[1] - 1)
+            if counts != [1] * B:
+                checked.reserve(counts)
+            checked(randn(B, n_heads, n, D) * scale, randn(B, n_kv_heads, n, D) * scale,
+                    randn(B, n_kv_heads, n, D), pos + torch.arange(n), stream.gather(1, at))
+            pos = pos + torch.tensor(counts)[:, None]
     return checked

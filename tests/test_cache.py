@@ -334,7 +334,7 @@ def test_threshold_one_makes_every_head_full():
 def pool_bytes(cache):
     """Every tensor the cache holds, counted from the outside."""
     named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width",
-             "seg_prompt_len", "seg_first_query", "evicts_by", "dest", "free"}
+             "seg_prompt_len", "seg_first_query", "evicts_by", "drops_by", "dest", "free"}
     buffers = {name.removeprefix("pool."): t for name, t in cache.named_buffers()}
     if not any(p.reads_last for p in cache.plan()):
         named.remove("last")  # kept only for a policy that reads it (TOVA)
@@ -543,3 +543,43 @@ def test_groups_grow_with_what_they_hold_and_compile_once():
     assert torch.equal(torch.cat(out, 1), expected)
     assert len(grew_at) >= 2 and not counters["graph_break"]
     assert compiled_at == [0], (compiled_at, grew_at)  # the pool's size is dynamic from the start
+
+
+# --- Chunks on top of a compressed cache ---------------------------------------------
+
+@pytest.mark.parametrize("chunk", [2, 5, 16])
+@pytest.mark.parametrize("n_kv_heads", [1, 2])
+@torch.no_grad()
+def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads):
+    """A prompt read as a first piece (profiled, compressed) and then chunks of
+    `chunk` tokens, sequences of different lengths (the shorter ones padded in
+    the later chunks), then decoding: with Full everywhere, the same logits as
+    the dense cache fed the same way, at every prompt token and every step."""
+    model = tiny_model(n_kv_heads=n_kv_heads)
+    a = model.args
+    lens, first, max_new = [23, 14, 9], 6, 8
+    prompts = prompts_of(lens, seed=11)
+    tokens, lens_t = padded(prompts)
+    B, T = tokens.shape
+    positions = torch.arange(T).expand(B, T)
+    dense = [KVCache(B, a.n_kv_heads, T + max_new, a.head_dim) for _ in model.layers]
+    full = fastgen_caches(model, [Full()], lens_t.clamp(max=first), max_new, None, threshold=0.0)
+    runs = []
+    for caches in (dense, full):
+        model.setup_caches(caches)
+        out = [model(tokens[:, :first], positions[:, :first])]
+        for s in range(first, T, chunk):
+            counts = (lens_t - s).clamp(0, chunk)
+            cache.reserve(caches, counts)
+            out.append(model(tokens[:, s:s + chunk], positions[:, s:s + chunk]))
+        logits = torch.cat(out, 1)
+        step = [logits[torch.arange(B), lens_t - 1]]
+        for i in range(max_new - 1):
+            cache.reserve(caches)
+            step.append(model(step[-1].argmax(-1)[:, None], lens_t[:, None] + i)[:, 0])
+        mask = torch.arange(T) < lens_t[:, None]  # padding's logits are nobody's
+        runs.append((logits[mask], torch.stack(step, 1)))
+    model.setup_caches(None)
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
+    assert all(c.kept() == a.n_kv_heads * sum(n + max_new - 1 for n in lens) for c in full)
