@@ -104,12 +104,12 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
          sink_mass: str = "count", paper: bool = False, evict_every: int | None = None,
-         save_plan: str | None = None,
+         prefill_chunk: int | None = None, save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
 
-    The cache keywords, `kv` to `evict_every`, are the fields of one
+    The cache keywords, `kv` to `prefill_chunk`, are the fields of one
     generation.CacheOptions, built here. With `stream`, a single prompt's
     text is printed as it is generated.
     Raises UsageError for bad arguments, model.CheckpointError,
@@ -122,7 +122,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     """
     cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
                          kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
-                         sink_mass=sink_mass, paper=paper, evict_every=evict_every)
+                         sink_mass=sink_mass, paper=paper, evict_every=evict_every,
+                         prefill_chunk=prefill_chunk)
     device = tp.init(device)
     with tp.same_outcome():
         check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
@@ -301,6 +302,12 @@ def parse_args(argv=None):
                    "paper; more: each head holds up to N-1 extra tokens meanwhile and the "
                    "sorting is paid once per N tokens) (default: half a page of the cache's "
                    "pool, about prompt length / 128, at least 8; 1 with --paper)")
+    p.add_argument("--prefill-chunk", type=int, metavar="N", help="read each prompt in pieces "
+                   "of N tokens: a compressed cache is profiled on the first piece and keeps "
+                   "what its policies keep of each next one, so that the prompt's full keys "
+                   "and values never exist at once (peak memory follows the budget, not the "
+                   "prompt); with --kv full it bounds the prefill's activations (default: the "
+                   "whole prompt at once)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")

@@ -47,12 +47,29 @@ def sample(logits, temperature: float = 0.0, top_k: int | None = None, top_p: fl
 
 # --- The decode loop ---------------------------------------------------------
 
-def prefill(model: Transformer, tokens, prompt_lens, **sampling):
+def prefill(model: Transformer, tokens, prompt_lens, chunk: int | None = None, **sampling):
     """Run the padded prompts (B, T); return the first generated token (B, 1)."""
+    return sample(prefill_logits(model, tokens, prompt_lens, chunk), **sampling)[:, None]
+
+
+def prefill_logits(model: Transformer, tokens, prompt_lens, chunk: int | None = None):
+    """Run the padded prompts (B, T); the logits after each one's last token, (B, V).
+    With `chunk`, in pieces of that many tokens: a compressed cache profiles
+    and compresses the first, and keeps what its policies keep of each next
+    one (FastGenCache.chunk), so that the prompt's keys and values never all
+    exist at once, nor its activations."""
     B, T = tokens.shape
-    logits = model(tokens, torch.arange(T, device=tokens.device).expand(B, T),
-                   logits_at=prompt_lens - 1)
-    return sample(logits[:, 0], **sampling)[:, None]
+    positions = torch.arange(T, device=tokens.device).expand(B, T)
+    chunk = chunk or T
+    last = None
+    for s in range(0, T, chunk):
+        if s:  # each sequence's tokens in this piece; the rest is padding
+            reserve(model.caches(), (prompt_lens - s).clamp(0, chunk))
+        at = (prompt_lens - 1 - s).clamp(0, min(chunk, T - s) - 1)
+        logits = model(tokens[:, s:s + chunk], positions[:, s:s + chunk], logits_at=at)[:, 0]
+        ends_here = ((prompt_lens - 1) // chunk == s // chunk)[:, None]
+        last = logits if last is None else torch.where(ends_here, logits, last)
+    return last
 
 
 def decode_one_token(model: Transformer, token, input_pos, **sampling):
@@ -133,6 +150,7 @@ class CacheOptions:
     sink_mass: str = "count"          # fastgen: "count" or "drop" the first token's attention
     paper: bool = False               # fastgen: the paper's literal method
     evict_every: int | None = None    # compressed caches: steps between evictions
+    prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
@@ -153,6 +171,8 @@ class CacheOptions:
              f"--obs-window must be 0 (every prompt row) or more (got {self.obs_window})")
         need(self.evict_every is None or self.evict_every >= 1,
              f"--evict-every must be 1 (every step) or more (got {self.evict_every})")
+        need(self.prefill_chunk is None or self.prefill_chunk >= 1,
+             f"--prefill-chunk must be 1 token or more (got {self.prefill_chunk})")
         two_modes = self.recovery is not None and self.kv_budget is not None
         need(not (self.kv == "fastgen" and two_modes),
              "--recovery (threshold mode) and --kv-budget (budget mode) choose two different "
@@ -182,6 +202,8 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     if o.paper:
         o = replace(o, hh_score="sum", obs_window=0, sink_mass="count",
                     evict_every=o.evict_every or 1)
+    # Read in pieces, a compressed cache is profiled and laid out on the first.
+    prompt_lens = [min(n, o.prefill_chunk or n) for n in prompt_lens]
     evict = dict(evict_every=o.evict_every, eager=not compiled)
     kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", **evict)
     if o.kv == "fastgen" and (o.paper or o.recovery is not None):
@@ -307,7 +329,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         return all(done)
 
     t0 = time.perf_counter()
-    cur = prefill(model, tokens, prompt_lens, **sampling)
+    cur = prefill(model, tokens, prompt_lens, cache.prefill_chunk, **sampling)
     sync()
     prefill_s = time.perf_counter() - t0
     steps, decode_s, compile_s, interrupted = 0, 0.0, 0.0, False
@@ -346,8 +368,7 @@ def score(model: Transformer, prompts: list[list[int]], continuations: list[list
     follow = torch.tensor(continuations, device=device)  # (B, N)
     prompt_lens = torch.tensor(lens, device=device)
     model.setup_caches(make_caches(model, cache, lens, N, token_flags))
-    logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens))
-    out = [logits[torch.arange(B, device=device), prompt_lens - 1]]
+    out = [prefill_logits(model, tokens, prompt_lens, cache.prefill_chunk)]
     for i in range(N - 1):
         reserve(model.caches())
         out.append(model(follow[:, i:i + 1], (prompt_lens + i)[:, None])[:, 0])

@@ -54,6 +54,9 @@ SPREAD = 1.05
 # SmolLM2. Compiled, where the pages' softmax fuses, every layer attends with
 # `paged_attention`: it was the faster at every size measured.
 MASKED_SCORES = 1 << 15
+# Queries of a chunk scored at once (`Pool.attend_chunk`): their scores against
+# a few thousand slots stay a few MB.
+CHUNK_ROWS = 128
 # The pool's per-slot tensors and what an empty slot holds.
 SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
 
@@ -205,22 +208,26 @@ class Pool(nn.Module, abc.ABC):
         keys are written already): the output (S, G, T, D). Every slot's score
         gains the attention the valid queries (valid: (S, T) bool) gave it, and
         `last` becomes the latest valid query's. A group at a time, as (n, C)
-        rows, in float32: a chunk is eager, and its T queries amortize the gather."""
+        rows in float32, CHUNK_ROWS queries at a time: the scores of a whole
+        chunk would weigh more than the cache."""
         S, G, T, D = q.shape
-        y = q.new_zeros(q.shape)
+        y = q.new_empty(q.shape)
         keys = self.key_pages()  # (N, P, D)
         latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
         for g in self.groups:
             seg = g.seg.to(q.device)
             k, v, pos = g.block(keys), g.block(self.v), g.block(self.pos)  # (n, C, D), (n, C)
-            seen = (pos[:, None] >= 0) & (pos[:, None] <= at[seg, :, None])  # (n, T, C)
-            scores = (q[seg] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()  # (n, G, T, C)
-            probs = scores.masked_fill(~seen[:, None], -math.inf).softmax(-1).nan_to_num_(0.0)
-            y[seg] = (probs.to(v.dtype) @ v[:, None]).to(y.dtype)
-            got = probs.mean(1)  # (n, T, C), averaged over the G query heads
-            g.block(self.score).add_((got * valid[seg, :, None]).sum(1))
+            got, last = 0, 0
+            for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
+                sees = (pos[:, None] >= 0) & (pos[:, None] <= at[seg][:, rows, None])  # (n, t, C)
+                scores = (q[seg][:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
+                probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1).nan_to_num_(0.0)
+                y[seg[:, None], :, rows] = (probs.to(v.dtype) @ v[:, None]).transpose(1, 2)
+                probs = probs.mean(1)  # (n, t, C), averaged over the G query heads
+                got = got + (probs * valid[seg][:, rows, None]).sum(1)
+                last = last + (probs * latest[seg][:, rows, None]).sum(1)
+            g.block(self.score).add_(got)
             if "last" in self.fields:
-                last = (got * latest[seg, :, None]).sum(1)
                 block = g.block(self.last)
                 block.copy_(torch.where(valid[seg].any(1, keepdim=True), last, block))
         return y

@@ -550,11 +550,13 @@ def test_groups_grow_with_what_they_hold_and_compile_once():
 @pytest.mark.parametrize("chunk", [2, 5, 16])
 @pytest.mark.parametrize("n_kv_heads", [1, 2])
 @torch.no_grad()
-def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads):
+def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, monkeypatch):
     """A prompt read as a first piece (profiled, compressed) and then chunks of
     `chunk` tokens, sequences of different lengths (the shorter ones padded in
     the later chunks), then decoding: with Full everywhere, the same logits as
-    the dense cache fed the same way, at every prompt token and every step."""
+    the dense cache fed the same way, at every prompt token and every step.
+    (A chunk's queries are scored 3 at a time here, to cover the blocks.)"""
+    monkeypatch.setattr(pool, "CHUNK_ROWS", 3)
     model = tiny_model(n_kv_heads=n_kv_heads)
     a = model.args
     lens, first, max_new = [23, 14, 9], 6, 8
