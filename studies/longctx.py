@@ -540,7 +540,13 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
     cfgs = method_configs(methods, budgets, thresholds)
     context = model.args.max_seq_len
     longest_answer = max(NEW_TOKENS[t] for t in tasks)
-    notes, results, raw, parts = [], {}, {}, {}
+    notes, results, raw, parts, kl = [], {}, {}, {}, {}
+    # What each part's save writes until the run ends (a long run's results so far).
+    partial_meta = dict(command=(command or "python -m studies.longctx") + " (not finished)",
+                        model=Path(ckpt).name if ckpt else "SmolLM2-135M-Instruct", text=text,
+                        format="ChatML" if chat else "plain", cases=cases, seed=seed,
+                        tasks=list(tasks), kl_windows=kl_windows, kl_tokens=kl_tokens,
+                        notes=notes, complete=False)
     for length in tqdm(lengths, desc="lengths"):
         L = min(length, context - longest_answer)
         if L < length:
@@ -558,7 +564,8 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
                                 for c, a, s in zip(todo, r["answers"], r["scores"])]
                             for n, r in by.items()} for rd, by in res.items()}
         parts[f"tasks @{L}"] = time.perf_counter() - t
-    kl = {}
+        save(out, results, kl, raw, tok, hay, dict(partial_meta, runtime_s=time.perf_counter() - t0,
+                                                   runtime_by_part_s=parts), chat)
     for length in kl_lengths:
         t, L = time.perf_counter(), min(length, context - kl_tokens)
         if L < length:
@@ -568,28 +575,37 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
         kl[str(L)] = evaluate.text_quality(model, windows, kl_tokens, cfgs, flags,
                                            max(1, batch_tokens // L), r_local, r_frequent)
         parts[f"text @{L}"] = time.perf_counter() - t
-    meta = dict(machine=evaluate.machine(), torch=torch.__version__,
-                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                command=command or "python -m studies.longctx" + (" --quick" if quick else ""),
-                model=Path(ckpt).name if ckpt else "SmolLM2-135M-Instruct", text=text,
-                format="ChatML" if chat else "plain", cases=cases, seed=seed, tasks=list(tasks),
-                budgets=list(budgets), thresholds=list(thresholds), r_local=r_local,
-                r_frequent=r_frequent, kl_windows=kl_windows, kl_tokens=kl_tokens,
-                runtime_s=time.perf_counter() - t0, runtime_by_part_s=parts, notes=notes,
-                examples={L: [asdict(c) | dict(context=tok.decode(c.context)[-300:],
-                                                question=tok.decode(c.question))
-                              for c in make_cases(tok, hay, "niah_single", int(L), 1, seed, chat)]
-                          for L in results})
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta["picture"] = plot(results, out.with_suffix(".png")) or out.with_suffix(".png").name
-    text_md = report(results, kl, meta) + "".join(f"\nNote: {n}.\n" for n in notes)
-    out.with_suffix(".md").write_text(text_md)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results, text=kl,
-                                                        cases=raw), indent=1))
+        save(out, results, kl, raw, tok, hay, dict(partial_meta, runtime_s=time.perf_counter() - t0,
+                                                   runtime_by_part_s=parts), chat)
+    meta = save(out, results, kl, raw, tok, hay, dict(
+        command=command or "python -m studies.longctx" + (" --quick" if quick else ""),
+        model=Path(ckpt).name if ckpt else "SmolLM2-135M-Instruct", text=text,
+        format="ChatML" if chat else "plain", cases=cases, seed=seed, tasks=list(tasks),
+        budgets=list(budgets), thresholds=list(thresholds), r_local=r_local,
+        r_frequent=r_frequent, kl_windows=kl_windows, kl_tokens=kl_tokens,
+        runtime_s=time.perf_counter() - t0, runtime_by_part_s=parts, notes=notes,
+        complete=True), chat)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     return dict(results=results, text=kl, meta=meta)
+
+
+def save(out, results, kl, raw, tok, hay, meta, chat):
+    """Write OUT.json, OUT.md and OUT.png of the results so far; return the meta written."""
+    meta = dict(machine=evaluate.machine(), torch=torch.__version__,
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), **meta)
+    meta["examples"] = {L: [asdict(c) | dict(context=tok.decode(c.context)[-300:],
+                                             question=tok.decode(c.question))
+                            for c in make_cases(tok, hay, "niah_single", int(L), 1, meta["seed"],
+                                                chat)] for L in results}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta["picture"] = plot(results, out.with_suffix(".png")) or out.with_suffix(".png").name
+    out.with_suffix(".md").write_text(report(results, kl, meta)
+                                      + "".join(f"\nNote: {n}.\n" for n in meta["notes"]))
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results, text=kl,
+                                                        cases=raw), indent=1))
+    return meta
 
 
 def check(*, lengths, cases, tasks, readings, budgets, methods, thresholds, kl_lengths,
