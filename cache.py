@@ -388,7 +388,10 @@ def reserve(caches: list[nn.Module], tokens=1):
     T = tokens if counts is None else int(counts.max())
     evicting = [c for c in fastgen if c.clock.since >= c.evict_every]
     due = evicting + [c for c in fastgen if c.clock.since < c.evict_every and c.pool.left() < T]
+    read = [c for c in evicting if c.clock.read]
     evict(evicting)
+    for c in read:  # the slots a chunk took and its policies let go, given back
+        c.pool.compact(c.evict_every)
     # Free slots for every step until the next eviction; groups that have fewer grow.
     pool.hand_out([c.pool for c in due], [max(c.need(), T) for c in due],
                   [c.max_new_tokens - 1 - c.steps for c in due])

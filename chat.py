@@ -2,11 +2,11 @@
 
 Each user turn is rendered with the checkpoint's chat template, and only the text the template
 adds after what the cache already holds is encoded and fed, so a conversation is never encoded
-twice. The full cache takes a turn in chunks of CHUNK tokens, each attending over everything
-before it. A compressed cache takes a turn one token at a time through its decode step, which
-scores, keeps and evicts each token exactly as if the model had generated it: exact for the
-head's policy, and slower than a chunk. Each head keeps the policy that profiling gave it on the
-first turn; a later turn is not profiled again (see the README).
+twice. Every cache takes a turn in chunks of CHUNK tokens, each attending over everything
+before it. A compressed cache keeps of each chunk what its heads' policies keep
+(FastGenCache.chunk): a turn counts as read, like the first, so each policy's share holds for
+the whole conversation and the budget with it. Each head keeps the policy that profiling gave it
+on the first turn; a later turn is not profiled again (see the README).
 """
 from __future__ import annotations
 
@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import reserve
-from generation import (CacheOptions, compiled_decode, decode, decode_one_token, dense_kv_bytes,
-                        make_caches, sample)
+from generation import CacheOptions, decode, dense_kv_bytes, make_caches, sample
 from tokenizer import TokenizerError
 
-CHUNK = 512  # tokens per call when the full cache takes a turn: bounds the attention matrix;
+CHUNK = 512  # tokens per call when a cache takes a turn: bounds the attention matrix;
 # also the step by which the full cache grows.
-CHAT_ROOM = 2048  # compressed caches: tokens of room after the first turn
 
 
 class ConversationFull(Exception):
@@ -63,8 +61,8 @@ class Chat:
     """A conversation with one model and one cache, turn after turn (batch 1).
 
     The cache that `cache` describes is created by the first turn. The full cache grows with
-    the conversation, in steps of CHUNK tokens, up to the model's context. A compressed cache
-    takes the first turn plus at most CHAT_ROOM tokens; its buckets grow as they fill.
+    the conversation, in steps of CHUNK tokens, up to the model's context; a compressed cache's
+    pools grow as its heads hold more.
     """
 
     def __init__(self, model, tok, *, cache: CacheOptions = CacheOptions(), max_new_tokens=128,
@@ -134,35 +132,28 @@ class Chat:
     def start(self, first_len: int):
         """Create the caches for a conversation whose first turn has first_len tokens."""
         context = self.model.args.max_seq_len
-        room = context - first_len if self.full else min(CHAT_ROOM, context - first_len)
-        if room < 1:
+        if first_len >= context:
             raise ConversationFull(f"the first turn ({first_len} tokens) fills the model's context "
                                    f"of {context} tokens; write less")
-        # The full cache starts empty (grown before each turn); a compressed one takes its room now.
+        # The full cache starts empty (grown before each turn); a compressed one is laid out
+        # for the first answer, and grows past it.
         self.model.setup_caches(make_caches(self.model, self.cache, [first_len],
-                                            1 - first_len if self.full else room,
+                                            1 - first_len if self.full else self.max_new_tokens,
                                             self.token_flags, self.compile))
-        # The full cache holds positions 0 .. context-1; a compressed one is built for
-        # first_len + room - 1 tokens seen (FastGenCache's max_new_tokens counts the last
-        # token, which is sampled and never fed).
-        self.limit = first_len + room - (not self.full)
+        self.limit = context  # positions 0 .. context - 1
 
     def feed(self, ids: list[int], first: bool):
-        """Put ids into the cache after what it holds; returns the token sampled after them."""
+        """Put ids into the cache after what it holds; returns the token sampled after them.
+        In chunks; a compressed cache's first turn in one call, which profiles it."""
         model, start = self.model, self.length
-        if not self.full and not first:
-            step = compiled_decode() if self.compile else decode_one_token
-            for i, t in enumerate(ids):
-                reserve(model.caches())
-                cur = step(model, torch.tensor([[t]], device=self.device),
-                           torch.tensor([[start + i]], device=self.device), **self.sampling)
-            return cur
-        # The full cache in chunks; a compressed cache's first turn in one call, which profiles it.
-        chunk = CHUNK if self.full else len(ids)
+        chunk = len(ids) if first and not self.full else CHUNK
         for i in range(0, len(ids), chunk):
             part = torch.tensor([ids[i:i + chunk]], device=self.device)
-            pos = torch.arange(start + i, start + i + part.shape[1], device=self.device)[None]
-            logits = model(part, pos, logits_at=torch.tensor([part.shape[1] - 1], device=self.device))
+            n = part.shape[1]
+            if not first or i:  # a chunk on top of the cache (a compressed one keeps its share)
+                reserve(model.caches(), torch.tensor([n], device=self.device))
+            pos = torch.arange(start + i, start + i + n, device=self.device)[None]
+            logits = model(part, pos, logits_at=torch.tensor([n - 1], device=self.device))
         return sample(logits[:, 0], **self.sampling)[:, None]
 
     def stats(self, fed, out, reply, prefill_s, decode_s, steps, compile_s, first, **flags) -> Turn:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import tp
-from chat import CHAT_ROOM, Chat, ConversationFull
+from chat import Chat, ConversationFull
 from generation import (DTYPES, KV_KINDS, CacheOptions, Generation, dense_kv_bytes, flags_of,
                         generate, load)
 from tokenizer import TokenizerError
@@ -330,9 +330,9 @@ def parse_args(argv=None):
                    "text; with --interactive, one per turn")
     p.add_argument("--interactive", action="store_true", help="chat with an instruct model, "
                    "one user turn per line of standard input; the KV cache lives across turns. "
-                   "The full cache grows up to the model's context; the compressed kinds keep "
-                   "each head's policy from the first turn and take the first turn plus at most "
-                   "%d more tokens. Ctrl-C stops an answer, Ctrl-D ends the chat" % CHAT_ROOM)
+                   "Every cache takes a turn in chunks and grows up to the model's context; the "
+                   "compressed kinds keep each head's policy from the first turn and their share "
+                   "of every turn. Ctrl-C stops an answer, Ctrl-D ends the chat")
     return p.parse_args(argv)
 
 

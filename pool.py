@@ -283,6 +283,33 @@ class Pool(nn.Module, abc.ABC):
         self.hide()
         self.mark_dynamic()
 
+    def compact(self, room: int):
+        """After a chunk's eviction: each segment's tokens moved to the front of
+        its row, in slot order, and every group cut to the pages its fullest
+        segment needs plus `room` free slots, so that the slots a chunk took
+        and its policies let go are given back. The pool is rebuilt."""
+        P = self.page
+        held = [g.block(self.pos) >= 0 for g in self.groups]  # (n, C) each
+        most = torch.stack([h.sum(1).max() for h in held]).tolist()  # one host sync
+        pages = [min(g.pages, -(-(m + room) // P)) for g, m in zip(self.groups, most)]
+        if pages == [g.pages for g in self.groups]:
+            return
+        parts = {name: [] for name in self.fields}
+        for g, h, n in zip(self.groups, held, pages):
+            order = (~h).byte().argsort(dim=1, stable=True)[:, :n * P]  # held slots first
+            for name in self.fields:
+                t = g.block(self.key_pages() if name == "k" else getattr(self, name))
+                at = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape,
+                                                                             *t.shape[2:])
+                parts[name].append(t.gather(1, at).flatten(0, 1))  # (n * n_pages * P, ...)
+            g.pages = n
+        for name, ts in parts.items():
+            rows = torch.cat(ts)
+            setattr(self, name, self.keys(rows) if name == "k" else rows.view(-1, P, *rows.shape[1:]))
+        self.place()
+        self.hide()
+        self.mark_dynamic()
+
     # --- What the pool holds -----------------------------------------------------
 
     STATE = ("owner", "start", "width", "dest", "free")

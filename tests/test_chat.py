@@ -45,8 +45,8 @@ def chat(tiny_ckpt, kv, **options):
 
 
 def test_compressed_cache_keeping_everything_equals_the_full_cache(tiny_ckpt):
-    """recovery 1: every head Full, so feeding a turn token by token through the compressed
-    decode step must give what the full cache's chunks give."""
+    """recovery 1: every head Full, so a compressed cache taking each turn in chunks must
+    give what the full cache gives."""
     full, fast = chat(tiny_ckpt, "full"), chat(tiny_ckpt, "fastgen", recovery=1.0)
     for text in ["Hello, world", "The quick brown fox", "def f(x): return x + 1"]:
         a, b = full.turn(text), fast.turn(text)
@@ -105,3 +105,14 @@ def test_prompt_file_dash_reads_stdin(tiny_ckpt, capsys, monkeypatch):
     assert cli(["--ckpt", str(tiny_ckpt), "--prompt-file", "-", "--json", "--max-new-tokens", "12"]) == 0
     from test_generate import GOLDEN
     assert json.loads(capsys.readouterr().out)["tokens"] == [GOLDEN]
+
+
+def test_a_long_later_turn_is_kept_at_the_policys_share(tiny_ckpt):
+    """A short first turn, then a turn ten times longer: the compressed cache keeps
+    about its share of the whole conversation (the policies' windows follow what
+    was read), not the first turn's window, and allocates less than a full cache."""
+    session = chat(tiny_ckpt, "local", kv_budget=0.5)
+    session.turn("Hello")
+    second = session.turn("The quick brown fox jumps over the lazy dog. " * 8)
+    assert 0.4 < second.kept_tokens / second.seen_tokens < 0.6
+    assert second.kv_bytes < second.full_kv_bytes
