@@ -142,9 +142,9 @@ class Haystack:
 
     def insert(self, hay: list[int], needles: list[list[int]], rng) -> list[int]:
         """hay with each needle after the sentence end nearest a random depth, in order
-        (or at the start or the end, if the text has no sentence end nearer)."""
-        cuts = [0] + [i for i in range(1, len(hay))
-                      if self.ends[hay[i - 1]] and self.spaced[hay[i]]] + [len(hay)]
+        (at the start or the end of a text without one)."""
+        cuts = [i for i in range(1, len(hay)) if self.ends[hay[i - 1]] and self.spaced[hay[i]]]
+        cuts = cuts or [0, len(hay)]
         depths = [rng.random() * len(hay) for _ in needles]
         at = sorted(min(cuts, key=lambda c: abs(c - d)) for d in depths)
         out, last = [], 0

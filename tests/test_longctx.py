@@ -68,6 +68,17 @@ def test_needles_are_in_the_context(tok, hay, task):
                 assert name == value
 
 
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey"])
+def test_needles_sit_between_sentences(tok, hay, task):
+    """After a sentence's end and before a spaced word (this tokenizer needs a
+    few thousand tokens for text with several sentences)."""
+    for case in longctx.make_cases(tok, hay, task, 3000, 3, seed=0):
+        context = tok.decode(case.context)
+        placed = re.findall(r"(?<=[.!?]) One of the special magic numbers for \S+ is: "
+                            r"\d{7}\.(?=\s)", context)
+        assert len(placed) == (1 if task == "niah_single" else 4)
+
+
 def test_cwe_answers_are_the_most_common_words(tok, hay):
     for case in longctx.make_cases(tok, hay, "cwe", 900, 3, seed=0):
         listed = re.findall(r"\d+\. ([a-z]+)", tok.decode(case.context))
