@@ -34,7 +34,7 @@ import torch.nn as nn
 
 import pool
 from model import causal_attention
-from policies import Full, Policy, Slots
+from policies import Full, Policy, Slots, shares
 from profiling import (Profile, attention_sums, choose, fit_budgets, local_ratios, prompt_slots,
                        recoveries)
 
@@ -85,14 +85,15 @@ class FastGenCache(nn.Module):
     share `pending` decide together. With `eager`, a small pool is laid out for
     masked attention (pool.MaskedPool); otherwise every pool is paged. Under
     tensor parallel, `heads` (tp.Heads) shares the budget's tables among the
-    ranks, so that the budget is the whole model's, as in one process.
+    ranks, so that the budget is the whole model's, as in one process. With
+    `rechoose`, each chunk read chooses every segment's policy again (`choose_again`).
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
-                 heads=None):
+                 heads=None, rechoose: bool = False):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
@@ -102,6 +103,7 @@ class FastGenCache(nn.Module):
         self.page = page or pool.page_size(int(lens.max()))
         self.evict_every = evict_every or max(EVICT_EVERY, self.page // 2)
         self.eager, self.heads = eager, heads
+        self.rechoose = rechoose and len(self.policies) > 1
         self.max_new_tokens = max_new_tokens
         self.n_kv_heads = n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
@@ -158,15 +160,21 @@ class FastGenCache(nn.Module):
         self.pool = pool.build(choice, kept, growth, any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device)
-        # Each segment's prompt length, first query profiled, and policy if it may still evict.
-        # Each segment's policy if it may drop a token after a chunk (all but
-        # Full's) and if it may while decoding (not SnapKV's either, which
-        # compresses what it reads only).
+        # Each segment's prompt length, first query profiled, and policy (`follow`).
+        by = torch.tensor(choice, device=device)
+        for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
+                            seg_first_query=prompt.first_query[:, 0]).items():
+            self.register_buffer(name, t.clone(), persistent=False)
+        self.follow(choice)
+
+    def follow(self, choice: list[int]):
+        """Each segment's policy index, as eviction asks it: after a chunk, every
+        policy but those with Full (`drops_by`); while decoding, not SnapKV's
+        either, which compresses what it reads only (`evicts_by`); -1: none."""
         drops = [-1 if Full() in self.policies[i].members() else i for i in choice]
-        evicts = [-1 if self.policies[i].never_evicts else i for i in drops]
-        for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=drops,
-                            evicts_by=evicts, seg_first_query=prompt.first_query[:, 0]).items():
-            self.register_buffer(name, torch.as_tensor(t, device=device).clone(), persistent=False)
+        evicts = [-1 if i < 0 or self.policies[i].never_evicts else i for i in drops]
+        self.drops_by.copy_(torch.tensor(drops))
+        self.evicts_by.copy_(torch.tensor(evicts))
         self.drops, self.evicting = max(drops) >= 0, max(evicts) >= 0  # on the host
 
     def decode(self, q, k, v, input_pos, tokens):
@@ -213,9 +221,57 @@ class FastGenCache(nn.Module):
                         at.masked_fill(~valid, -1).view(-1), flags.reshape(-1),
                         self.pool.taking.reshape(-1))
         self.pool.forget()  # padding written is no slot's
-        y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid)
+        # The rows that choose again: the chunk's last, if every sequence has them.
+        R = min(self.rows or T, T) if self.rechoose and bool(valid[:, -1].all()) else 0
+        y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid, observe=R)
         self.seg_prompt_len += counts
+        if R:
+            self.choose_again(at[:, T - R:])
         return y.view(B, H, T, D)
+
+    def choose_again(self, rows):
+        """Choose every segment's policy again, as `decide` chose it from the
+        prompt, from the attention of a chunk's last rows (at positions rows,
+        (S, R)) over what each segment holds now: each policy's recovery of it
+        and, under a budget, its cost, within the budget of what a full cache
+        will hold by the planned end. Segments stay in their groups; the next
+        eviction asks their new policies. A policy that reads the latest
+        query's attention is offered only where the pool keeps it."""
+        P, ratios = self.policies, local_ratios(self.policies)
+        new = max(self.max_new_tokens - 1 - self.steps, 0)
+        S, M = len(self.choice), len(P)
+        values = torch.zeros(S, M, device=rows.device)
+        costs = torch.zeros(S, M, dtype=torch.long, device=rows.device)
+        for g, seen in zip(self.pool.groups, self.pool.observed):  # seen: (n, R, C)
+            seg = g.seg.to(rows.device)
+            s = self.slots(g)
+            s.last = seen[:, -1]
+            at = rows[seg][..., None]  # (n, R, 1)
+            windows = shares(ratios, s.prompt_len)  # (ratios, n, 1)
+            bands = {r: (seen * (s.pos[:, None] > at - w[:, None])).sum(1)
+                     for r, w in zip(ratios, windows)}
+            prof = Profile(seen.sum(1), bands, seen.new_full((len(seg),), rows.shape[1]),
+                           seen[:, -1])
+            s.keeps_all(P)
+            values[seg] = recoveries(P, s, prof, self.sink)
+            growth = torch.stack([p.growth(s) for p in P], 1)
+            costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
+                growth * new).long()
+        if "last" not in self.pool.fields:
+            values[:, [i for i, p in enumerate(P) if p.reads_last]] = -1.0
+        self.recovery = values
+        if self.budget is None:
+            choice = choose(values, self.threshold)
+        else:
+            full = int((self.seen() + new).sum())
+            if self.heads is not None:  # tensor parallel: every rank solves for every head
+                values, costs = self.heads.gather(values[None]), self.heads.gather(costs[None])
+                full = full * values.shape[1] // S
+            choice = fit_budgets(values.view(1, -1, M), costs.view(1, -1, M),
+                                 [int(self.budget * full)])
+            choice = (choice if self.heads is None else self.heads.mine(choice))[0]
+        self.choice = choice
+        self.follow(choice.tolist())
 
     # --- What the cache holds ------------------------------------------------------
 

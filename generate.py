@@ -104,12 +104,12 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
          sink_mass: str = "count", paper: bool = False, evict_every: int | None = None,
-         prefill_chunk: int | None = None, save_plan: str | None = None,
+         prefill_chunk: int | None = None, rechoose: bool = False, save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
 
-    The cache keywords, `kv` to `prefill_chunk`, are the fields of one
+    The cache keywords, `kv` to `rechoose`, are the fields of one
     generation.CacheOptions, built here. With `stream`, a single prompt's
     text is printed as it is generated.
     Raises UsageError for bad arguments, model.CheckpointError,
@@ -123,7 +123,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
                          kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
                          sink_mass=sink_mass, paper=paper, evict_every=evict_every,
-                         prefill_chunk=prefill_chunk)
+                         prefill_chunk=prefill_chunk, rechoose=rechoose)
     device = tp.init(device)
     with tp.same_outcome():
         check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
@@ -308,6 +308,10 @@ def parse_args(argv=None):
                    "and values never exist at once (peak memory follows the budget, not the "
                    "prompt); with --kv full it bounds the prefill's activations (default: the "
                    "whole prompt at once)")
+    p.add_argument("--rechoose", action="store_true", help="fastgen: choose each head's policy "
+                   "again at every chunk read (--prefill-chunk, a chat's turns), from the "
+                   "chunk's last --obs-window rows over what the head holds, instead of keeping "
+                   "the first chunk's choice")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")

@@ -151,6 +151,7 @@ class CacheOptions:
     paper: bool = False               # fastgen: the paper's literal method
     evict_every: int | None = None    # compressed caches: steps between evictions
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
+    rechoose: bool = False            # fastgen: choose each head's policy again at every chunk
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
@@ -205,7 +206,8 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     # Read in pieces, a compressed cache is profiled and laid out on the first.
     prompt_lens = [min(n, o.prefill_chunk or n) for n in prompt_lens]
     evict = dict(evict_every=o.evict_every, eager=not compiled)
-    kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", **evict)
+    kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", rechoose=o.rechoose,
+              **evict)
     if o.kv == "fastgen" and (o.paper or o.recovery is not None):
         policies = shortlist(o.r_local, o.r_frequent, o.hh_score)
         kw.update(threshold=0.95 if o.recovery is None else o.recovery)

@@ -202,22 +202,25 @@ class Pool(nn.Module, abc.ABC):
             self.last.copy_(last)
         self.score += last
 
-    def attend_chunk(self, q, at, valid):
+    def attend_chunk(self, q, at, valid, observe: int = 0):
         """T queries per segment, q (S, G, T, D), at positions at (S, T), each
         over the slots its segment holds up to its own position (the chunk's
         keys are written already): the output (S, G, T, D). Every slot's score
         gains the attention the valid queries (valid: (S, T) bool) gave it, and
         `last` becomes the latest valid query's. A group at a time, as (n, C)
         rows in float32, CHUNK_ROWS queries at a time: the scores of a whole
-        chunk would weigh more than the cache."""
+        chunk would weigh more than the cache. With `observe`, `self.observed`
+        holds for each group the attention of the chunk's last `observe` rows,
+        (n, observe, C), averaged over the G query heads."""
         S, G, T, D = q.shape
         y = q.new_empty(q.shape)
+        self.observed = []
         keys = self.key_pages()  # (N, P, D)
         latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
         for g in self.groups:
             seg = g.seg.to(q.device)
             k, v, pos = g.block(keys), g.block(self.v), g.block(self.pos)  # (n, C, D), (n, C)
-            got, last = 0, 0
+            got, last, seen = 0, 0, []
             for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
                 sees = (pos[:, None] >= 0) & (pos[:, None] <= at[seg][:, rows, None])  # (n, t, C)
                 scores = (q[seg][:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
@@ -226,6 +229,10 @@ class Pool(nn.Module, abc.ABC):
                 probs = probs.mean(1)  # (n, t, C), averaged over the G query heads
                 got = got + (probs * valid[seg][:, rows, None]).sum(1)
                 last = last + (probs * latest[seg][:, rows, None]).sum(1)
+                if observe and rows[-1] >= T - observe:
+                    seen.append(probs[:, (rows >= T - observe).nonzero()[:, 0]])
+            if observe:
+                self.observed.append(torch.cat(seen, 1))
             g.block(self.score).add_(got)
             if "last" in self.fields:
                 block = g.block(self.last)

@@ -585,3 +585,39 @@ def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, monkeypat
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
     assert all(c.kept() == a.n_kv_heads * sum(n + max_new - 1 for n in lens) for c in full)
+
+
+@pytest.mark.parametrize("rows", [4, 12])
+@torch.no_grad()
+def test_a_chunk_chooses_again_as_a_prompt_would(rows):
+    """With `rechoose`, a chunk chooses every head's policy again from its last
+    rows over what the head holds. A cache that held everything (Full, chosen
+    at threshold 1 on the first piece) then chooses on a chunk as profiling
+    the whole prompt in one call chooses: the same recoveries of the policies
+    that rank no scores, and the same plan."""
+    model = tiny_model(n_kv_heads=2, n_layers=2)
+    lens, first = [21, 21], 9
+    tokens, lens_t = padded(prompts_of(lens, seed=13))
+    flags = random_flags(256, 4)
+    policies = [Special(), Special() | Punct(), Special() | Punct() | Local(0.3), Local(0.5),
+                Full()]
+    one_call = fastgen_caches(model, policies, lens, 4, flags, threshold=0.58, rows=rows)
+    model.setup_caches(one_call)
+    model(tokens, torch.arange(21).expand(2, 21))
+    chunked = fastgen_caches(model, policies, [first] * 2, 4, flags, threshold=1.0, rows=rows,
+                             rechoose=True)
+    model.setup_caches(chunked)
+    model(tokens[:, :first], torch.arange(first).expand(2, first))
+    assert all(p == Full() for c in chunked for p in c.plan())
+    for c in chunked:
+        c.threshold = 0.58
+    cache.reserve(chunked, 21 - first)
+    model(tokens[:, first:], torch.arange(first, 21).expand(2, 21 - first))
+    model.setup_caches(None)
+    for a, b in zip(one_call, chunked):
+        torch.testing.assert_close(b.recovery, a.recovery, atol=1e-5, rtol=0)
+        assert torch.equal(a.choice, b.choice)
+    assert any(p != Full() for c in chunked for p in c.plan())  # no longer Full everywhere
+    cache.reserve(chunked)  # the chunk's eviction follows the new plan
+    for a, b in zip(one_call, chunked):
+        assert a.kept() == b.kept()
