@@ -1,9 +1,9 @@
 """Long context at equal KV bytes: RULER-style tasks, generated offline from real text.
 
-    python -m studies.longctx                    # SmolLM2-135M, the defaults below
-    python -m studies.longctx --quick            # a smoke test: 1 case per task, 1k tokens, < 1 min
-    python -m studies.longctx --lengths 2048 4096 --cases 5 --budgets 0.25 0.5 \\
-        --methods full fastgen h2o tova snapkv sink --threads 1
+    python -m studies.longctx              # SmolLM2-135M, 2k and 4k, 20 cases: ~2.5 h on 2 cores
+    python -m studies.longctx --quick      # a smoke test: 1 case per task, 512 tokens, < 1 min
+    python -m studies.longctx --lengths 2048 --cases 5 --budgets 0.25 \\
+        --methods full h2o tova sink local fastgen-paper --kl-lengths   # the costly baselines
 
 Five tasks (after RULER, Hsieh et al. 2024), each case a prompt of exactly
 `--lengths` tokens (clipped to the model's context less the answer):
@@ -46,7 +46,11 @@ threshold mode and the paper's method at recovery `--thresholds` (their
 share as it comes), `local`, `sink`, `h2o`, `tova`, `snapkv`, and the full
 cache. The x-axis is the KV bytes the caches really allocated over a full
 cache's for the same work. A task on which the full cache scores below 0.3
-(at that length and reading) is shown but left out of the average.
+(at that length and reading) is shown but left out of the average. By
+default only the methods whose cache build profiles a window of prompt rows
+run (full, fastgen, fastgen-threshold, snapkv); the cache profiles every
+prompt row for the others, which costs more than their decoding (see
+`DEFAULTS`).
 
 Writes OUT.json, OUT.md (per length and reading, methods against tasks) and
 OUT.png (average score against KV share, one panel per length and reading).
@@ -506,7 +510,12 @@ def plot(results: dict, path: Path) -> str | None:
 # --- Main -------------------------------------------------------------------------------
 
 # The settings a run takes unless told otherwise, and those of --quick.
-DEFAULTS = dict(lengths=(2048, 4096, 8192), cases=20, budgets=(0.125, 0.25, 0.5), methods=METHODS,
+# The default methods are those whose profiling reads a window of prompt rows;
+# local, sink, h2o, tova and fastgen-paper profile every row (as the cache
+# builds them), about 7.5 s a 2k prompt per configuration on one core, 4x per
+# doubling: 2k and 4k tasks with these take about 2.5 hours (studies/README.md).
+DEFAULTS = dict(lengths=(2048, 4096), cases=20, budgets=(0.125, 0.25, 0.5),
+                methods=("full", "fastgen", "fastgen-threshold", "snapkv"),
                 kl_lengths=(4096, 8192), kl_windows=10, kl_tokens=64)
 QUICK = dict(lengths=(512,), cases=1, budgets=(0.25,), methods=("full", "fastgen"),
              kl_lengths=(512,), kl_windows=1, kl_tokens=16)
@@ -647,8 +656,8 @@ def parse_args(argv=None):
                    "per task at 512 tokens, budget 0.25, methods full and fastgen, one text "
                    "window of 512 + 16 tokens (flags given as well take precedence)")
     p.add_argument("--lengths", type=int, nargs="+",
-                   help="prompt lengths in tokens (default 2048 4096 8192; clipped to the model's "
-                        "context less the longest answer: 8152 for SmolLM2)")
+                   help="prompt lengths in tokens (default 2048 4096; 8192 is clipped to the "
+                        "model's context less the longest answer: 8152 for SmolLM2)")
     p.add_argument("--cases", type=int, help="cases per task and length (default 20)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), metavar="TASK",
                    help=f"tasks to run (default all: {' '.join(TASKS)})")
@@ -659,7 +668,9 @@ def parse_args(argv=None):
                    help="KV budgets of fastgen and the fixed policies, the share of the prompt "
                         "kept (default 0.125 0.25 0.5)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
-                   help=f"methods (default all: {' '.join(METHODS)}); fastgen is the budget mode, "
+                   help=f"methods, of {' '.join(METHODS)} (default full fastgen fastgen-threshold "
+                        "snapkv: the others profile every prompt row and cost about 7.5 s a 2k "
+                        "prompt per configuration, 4x per doubling); fastgen is the budget mode, "
                         "fastgen-threshold and fastgen-paper run at --thresholds; the full cache "
                         "always runs (the reference)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9],
@@ -688,6 +699,13 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
+    given = {k: getattr(a, k) for k in DEFAULTS}
+    try:
+        check(**{k: (QUICK if a.quick else DEFAULTS)[k] if v is None else v
+                 for k, v in given.items()}, tasks=a.tasks, readings=a.readings,
+              thresholds=a.thresholds, text=a.text, batch_tokens=a.batch_tokens)
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
@@ -695,7 +713,11 @@ if __name__ == "__main__":
     from generate import exit_on_user_error
     with exit_on_user_error():
         args = parse_args()
-        got = main(command=" ".join(["python -m studies.longctx", *sys.argv[1:]]), **vars(args))
+        try:
+            got = main(command=" ".join(["python -m studies.longctx", *sys.argv[1:]]),
+                       **vars(args))
+        except ValueError as e:  # a length too short for a task, a context too small
+            sys.exit(f"error: {e}")
     for length, by_reading in got["results"].items():
         for rd, s in by_reading.items():
             for name, r in s["rows"].items():

@@ -114,8 +114,10 @@ def test_bad_settings_name_the_flag():
                          (dict(readings=["first"]), "--readings"), (dict(text="wiki"), "--text")]:
         with pytest.raises(ValueError, match=flag):
             longctx.check(**ok | change)
-    with pytest.raises(SystemExit):
-        longctx.parse_args(["--threads", "0"])
+    for argv in (["--threads", "0"], ["--methods", "kivi"], ["--quick", "--budgets", "2"]):
+        with pytest.raises(SystemExit):
+            longctx.parse_args(argv)
+    assert longctx.parse_args(["--quick", "--lengths", "256"]).lengths == [256]
 
 
 @pytest.mark.parametrize("kv, options", [("full", {}), ("fastgen", {"kv_budget": 0.3}),
