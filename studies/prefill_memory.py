@@ -11,7 +11,8 @@ and generates 4 tokens, for each cache (the full cache, FastGen's budget mode
 at `--budgets`) read in one call and in chunks of `--chunk` tokens. Per run:
 
 - `peak_rss`: the process's resident high-water mark (VmHWM), and above what it
-  held once the model was loaded (`own`);
+  held once the model was loaded and had run once (`own`; the weights are
+  mapped from disk and read in by the first call);
 - `cache_peak`: the most that the caches held at once during the run, sampled
   after every layer's call: every layer's cache (its pools, or the dense
   buffers), the prompt keys, values and queries waiting to be profiled, and
@@ -58,6 +59,8 @@ def child(job: dict) -> dict:
     model, tok = load(job["ckpt"])
     length = min(job["length"], model.args.max_seq_len - NEW_TOKENS)
     ids = prompts(tok, 1, length, length, source="pydoc")[0]
+    with torch.no_grad():  # the weights are mapped from disk: a first call reads them in
+        model(torch.tensor([ids[:4]]), torch.arange(4)[None])
     loaded = status()
     peak = {"cache": 0, "data": loaded["VmData"]}
 
@@ -128,7 +131,7 @@ def report(res: dict) -> str:
              f"{res['runtime_s'] / 60:.1f} min. Command: `{res['command']}`\n",
              "Each row is a fresh process reading one prompt of real text and generating "
              f"{NEW_TOKENS} tokens. MiB. *peak RSS*: the process's resident high-water mark; "
-             "*own*: above what it held once the model was loaded; *cache peak*: the most the "
+             "*own*: above what it held once the model was loaded and had run once; *cache peak*: the most the "
              "caches held at once (pools or dense buffers, the prompt keys, values and queries "
              "waiting to be profiled, and the keys and values of the call), sampled after every "
              "layer's call; *KV at end*: what they hold after the last token, against the full "
