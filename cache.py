@@ -20,6 +20,11 @@ heads has B*K of them. The method, in the order it runs:
    handed its next free slots. `evict_every=1` is the paper's schedule; more
    pays for the ranking once per several tokens, each head holding that many
    extra meanwhile.
+6. A chunk (`FastGenCache.chunk`): T tokens at once, a chat's next turn or a
+   long prompt read in pieces, written, attended to and scored as T decode
+   steps would be, and counted as read; the next `reserve` evicts what each
+   policy lets go of them and gives the slots back. With `rechoose`, the
+   chunk's last rows choose every policy again (`choose_again`).
 
 Steps 2, 3 and 5 run for several layers at once (`Pending`): one layer at a
 time, their few hundred small operations cost as much as the arithmetic.
@@ -34,9 +39,9 @@ import torch.nn as nn
 
 import pool
 from model import causal_attention
-from policies import Full, Policy, Slots, shares
-from profiling import (Profile, attention_sums, choose, fit_budgets, local_ratios, prompt_slots,
-                       recoveries)
+from policies import Full, Policy, Slots
+from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
+                       prompt_slots, recoveries)
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
@@ -246,12 +251,7 @@ class FastGenCache(nn.Module):
             seg = g.seg.to(rows.device)
             s = self.slots(g)
             s.last = seen[:, -1]
-            at = rows[seg][..., None]  # (n, R, 1)
-            windows = shares(ratios, s.prompt_len)  # (ratios, n, 1)
-            bands = {r: (seen * (s.pos[:, None] > at - w[:, None])).sum(1)
-                     for r, w in zip(ratios, windows)}
-            prof = Profile(seen.sum(1), bands, seen.new_full((len(seg),), rows.shape[1]),
-                           seen[:, -1])
+            prof = held_profile(seen, s, rows[seg], ratios)
             s.keeps_all(P)
             values[seg] = recoveries(P, s, prof, self.sink)
             growth = torch.stack([p.growth(s) for p in P], 1)

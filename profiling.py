@@ -154,6 +154,18 @@ def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1) -
                  first_query=per_seg(lens[:, None]) - sums.rows.long()[:, None], last=sums.last)
 
 
+def held_profile(probs, held: Slots, rows, ratios) -> Profile:
+    """A Profile of what segments hold, from the attention of some query rows:
+    probs (S, R, C) over the held slots (C, in any order), the rows at
+    positions rows (S, R). As `attention_sums` reads a prompt, with the slots
+    for columns: a Local band counts the rows within its window of a token."""
+    windows = shares(ratios, held.prompt_len)  # (ratios, S, 1)
+    bands = {r: (probs * (held.pos[:, None] > rows[..., None] - w[:, None])).sum(1)
+             for r, w in zip(ratios, windows)}
+    return Profile(probs.sum(1), bands, probs.new_full((len(probs),), rows.shape[1]),
+                   probs[:, -1])
+
+
 def local_ratios(policies: list[Policy]) -> list[float]:
     """Every Local ratio used by a list of policies."""
     return sorted({m.r for p in policies for m in p.members() if isinstance(m, Local)})
