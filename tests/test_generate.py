@@ -48,6 +48,20 @@ def test_batch_equals_each_prompt_alone(tiny_ckpt):
     assert together == alone
 
 
+def test_a_prompt_read_in_chunks(tiny_ckpt):
+    """--prefill-chunk: the full cache gives the same tokens, prompts of
+    different lengths in one batch; a compressed cache reads the prompt in
+    pieces and holds about its share of it."""
+    prompts = ["Hello, world", "The quick brown fox jumps over the lazy dog. " * 4]
+    kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=8)
+    assert main(prompts, prefill_chunk=7, **kw).tokens == main(prompts, **kw).tokens
+    for rechoose in (False, True):
+        gen = main(prompts, kv="fastgen", kv_budget=0.5, prefill_chunk=16, rechoose=rechoose,
+                   **kw)
+        assert 0.3 < gen.kept_tokens / gen.seen_tokens < 0.7
+        assert gen.kv_bytes < gen.full_kv_bytes
+
+
 def test_same_seed_same_sample(tiny_ckpt):
     kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=8, temperature=1.0, top_k=50, top_p=0.9)
     assert main("Hello", seed=3, **kw).tokens == main("Hello", seed=3, **kw).tokens
@@ -64,6 +78,7 @@ def test_same_seed_same_sample(tiny_ckpt):
     (["--prompt", "hi", "--kv", "fastgen", "--recovery", "0.9", "--kv-budget", "0.5"], 2,
      "give one of them"),
     (["--prompt", "hi", "--kv", "fastgen", "--obs-window", "-1"], 2, "--obs-window"),
+    (["--prompt", "hi", "--prefill-chunk", "0"], 2, "--prefill-chunk"),
 ])
 def test_cli_usage_errors(tiny_ckpt, capsys, args, status, words):
     if "nope" in args:  # argparse's own check
