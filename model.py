@@ -172,6 +172,11 @@ def attend(q, k, v, visible):
     return probs.to(v.dtype) @ v, probs
 
 
+# Queries of a chunk attended at once by `KVCache`: their masked scores over a
+# long cache stay a few MB.
+CHUNK_ROWS = 128
+
+
 class KVCache(nn.Module):
     """The dense cache: every token of every KV head, V as (B, K, S, D) and K
     transposed, (B, K, D, S) (see `attend`).
@@ -206,12 +211,13 @@ class KVCache(nn.Module):
                 # is exact and cheaper than over the whole buffer.
                 return causal_attention(q, k, v)
             # A chunk on top of the cache (a chat's next turn, a long prompt
-            # in pieces): each query sees the slots up to its own position.
+            # in pieces): each query sees the slots up to its own position,
+            # CHUNK_ROWS queries at a time (a masked attention holds its scores).
             visible = torch.arange(end, device=q.device) <= input_pos[..., None]  # (B, T, S)
-            return F.scaled_dot_product_attention(q, self.k[..., :end].transpose(2, 3),
-                                                  self.v[:, :, :end],
-                                                  attn_mask=visible[:, None],
-                                                  enable_gqa=q.shape[1] != K)
+            keys, values = self.k[..., :end].transpose(2, 3), self.v[:, :, :end]
+            return torch.cat([F.scaled_dot_product_attention(
+                q[:, :, i:i + CHUNK_ROWS], keys, values, enable_gqa=q.shape[1] != K,
+                attn_mask=visible[:, None, i:i + CHUNK_ROWS]) for i in range(0, T, CHUNK_ROWS)], 2)
         slots = torch.arange(self.v.shape[2], device=q.device)
         visible = (slots[None, :] <= input_pos)[:, None, None, :]  # (B, 1, 1, S)
         y, _ = attend(q.view(B, K, -1, D), self.k, self.v, visible)  # (B, K, G, D)

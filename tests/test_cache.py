@@ -555,8 +555,9 @@ def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, monkeypat
     `chunk` tokens, sequences of different lengths (the shorter ones padded in
     the later chunks), then decoding: with Full everywhere, the same logits as
     the dense cache fed the same way, at every prompt token and every step.
-    (A chunk's queries are scored 3 at a time here, to cover the blocks.)"""
+    (A chunk's queries are attended 3 at a time here, to cover the blocks.)"""
     monkeypatch.setattr(pool, "CHUNK_ROWS", 3)
+    monkeypatch.setattr("model.CHUNK_ROWS", 3)  # the dense cache's chunks too
     model = tiny_model(n_kv_heads=n_kv_heads)
     a = model.args
     lens, first, max_new = [23, 14, 9], 6, 8
