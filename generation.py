@@ -19,6 +19,7 @@ import torch
 
 import tp
 from cache import fastgen_caches, reserve
+from pool import page_size
 from model import KVCache, Transformer
 from policies import SnapKV, baseline, menu, shortlist, token_flags
 
@@ -203,9 +204,10 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     if o.paper:
         o = replace(o, hh_score="sum", obs_window=0, sink_mass="count",
                     evict_every=o.evict_every or 1)
-    # Read in pieces, a compressed cache is profiled and laid out on the first.
-    prompt_lens = [min(n, o.prefill_chunk or n) for n in prompt_lens]
     evict = dict(evict_every=o.evict_every, eager=not compiled)
+    if o.prefill_chunk:  # read in pieces: profiled on the first, paged for the whole
+        evict.update(page=page_size(max(prompt_lens)))
+        prompt_lens = [min(n, o.prefill_chunk) for n in prompt_lens]
     kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", rechoose=o.rechoose,
               **evict)
     if o.kv == "fastgen" and (o.paper or o.recovery is not None):
