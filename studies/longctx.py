@@ -1,6 +1,6 @@
 """Long context at equal KV bytes: RULER-style tasks, generated offline from real text.
 
-    python -m studies.longctx              # SmolLM2-135M, 2k and 4k, 20 cases: ~2.5 h on 2 cores
+    python -m studies.longctx              # SmolLM2-135M, 2k and 4k, 20 cases: ~3 h on 1 busy core
     python -m studies.longctx --quick      # a smoke test: 1 case per task, 512 tokens, < 1 min
     python -m studies.longctx --lengths 2048 --cases 5 --budgets 0.25 \\
         --methods full h2o tova sink local fastgen-paper --kl-lengths   # the costly baselines
@@ -512,8 +512,8 @@ def plot(results: dict, path: Path) -> str | None:
 # The settings a run takes unless told otherwise, and those of --quick.
 # The default methods are those whose profiling reads a window of prompt rows;
 # local, sink, h2o, tova and fastgen-paper profile every row (as the cache
-# builds them), about 7.5 s a 2k prompt per configuration on one core, 4x per
-# doubling: 2k and 4k tasks with these take about 2.5 hours (studies/README.md).
+# builds them), 7.5 to 9.5 s a 2k prompt per configuration on one core, 4x per
+# doubling. The defaults take about 3 hours on one busy core (studies/README.md).
 DEFAULTS = dict(lengths=(2048, 4096), cases=20, budgets=(0.125, 0.25, 0.5),
                 methods=("full", "fastgen", "fastgen-threshold", "snapkv"),
                 kl_lengths=(4096, 8192), kl_windows=10, kl_tokens=64)
@@ -669,7 +669,7 @@ def parse_args(argv=None):
                         "kept (default 0.125 0.25 0.5)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
                    help=f"methods, of {' '.join(METHODS)} (default full fastgen fastgen-threshold "
-                        "snapkv: the others profile every prompt row and cost about 7.5 s a 2k "
+                        "snapkv: the others profile every prompt row and cost about 8 s a 2k "
                         "prompt per configuration, 4x per doubling); fastgen is the budget mode, "
                         "fastgen-threshold and fastgen-paper run at --thresholds; the full cache "
                         "always runs (the reference)")
