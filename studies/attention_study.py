@@ -68,8 +68,8 @@ def derive(model, rec, kept, threshold, prompt_len):
     and kept tokens (L, K), and the bytes the cache allocates."""
     # pool.py's pool: K and V (D values each), pos int32, score float32, flags
     # uint8 per slot (no latest attention: no shortlist policy reads it); the
-    # owner int64 per page; start, width, prompt_len, first_query, evicts_by and
-    # dest int64 per segment (and no free slots handed out yet); a pool small
+    # owner int64 per page; start, width, prompt_len, first_query, evicts_by,
+    # drops_by and dest int64 per segment (and no free slots handed out yet); a pool small
     # enough for masked_attention also a bfloat16 per slot and segment (its bias).
     a = model.args
     per_slot = 2 * a.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
@@ -83,7 +83,7 @@ def derive(model, rec, kept, threshold, prompt_len):
             # Heads of one policy holding about as much share a bucket as wide as the fullest.
             sizes = sorted(n_kept[l][choice[l] == p].tolist())
             for g, pages in group_pages(sizes, 0, page):
-                nbytes += len(sizes[g]) * (pages * (page * per_slot + 8) + 48)
+                nbytes += len(sizes[g]) * (pages * (page * per_slot + 8) + 56)
                 slots += len(sizes[g]) * pages * page
         if attends_masked(a.n_kv_heads, a.n_heads // a.n_kv_heads, slots):  # batch 1
             nbytes += a.n_kv_heads * slots * 2
