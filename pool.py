@@ -217,6 +217,7 @@ class Pool(nn.Module, abc.ABC):
         self.observed = []
         keys = self.key_pages()  # (N, P, D)
         latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
+        padded = not bool(valid.all())  # a padding query may see no slot: its softmax is NaN
         for g in self.groups:
             seg = g.seg.to(q.device)
             k, v, pos = g.block(keys), g.block(self.v), g.block(self.pos)  # (n, C, D), (n, C)
@@ -224,7 +225,9 @@ class Pool(nn.Module, abc.ABC):
             for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
                 sees = (pos[:, None] >= 0) & (pos[:, None] <= at[seg][:, rows, None])  # (n, t, C)
                 scores = (q[seg][:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
-                probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1).nan_to_num_(0.0)
+                probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1)
+                if padded:
+                    probs.nan_to_num_(0.0)
                 y[seg[:, None], :, rows] = (probs.to(v.dtype) @ v[:, None]).transpose(1, 2)
                 probs = probs.mean(1)  # (n, t, C), averaged over the G query heads
                 got = got + (probs * valid[seg][:, rows, None]).sum(1)

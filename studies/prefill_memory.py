@@ -78,7 +78,8 @@ def child(job: dict) -> dict:
             peak["data"] = max(peak["data"], status()["VmData"])
 
     hook = torch.nn.modules.module.register_module_forward_hook(measure)
-    options = CacheOptions(job["kv"], kv_budget=job["budget"], prefill_chunk=job["chunk"])
+    options = CacheOptions(job["kv"], kv_budget=job["budget"], prefill_chunk=job["chunk"],
+                           rechoose=job.get("rechoose", False))
     t0 = time.perf_counter()
     gen = generate(model, [ids], NEW_TOKENS, cache=options, token_flags=flags_of(model, tok))
     hook.remove()
