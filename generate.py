@@ -104,7 +104,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
          sink_mass: str = "count", paper: bool = False, evict_every: int | None = None,
-         prefill_chunk: int | None = None, rechoose: bool = False, save_plan: str | None = None,
+         prefill_chunk: int | None = None, rechoose: bool = True, save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
@@ -308,10 +308,11 @@ def parse_args(argv=None):
                    "and values never exist at once (peak memory follows the budget, not the "
                    "prompt); with --kv full it bounds the prefill's activations (default: the "
                    "whole prompt at once)")
-    p.add_argument("--rechoose", action="store_true", help="fastgen: choose each head's policy "
-                   "again at every chunk read (--prefill-chunk, a chat's turns), from the "
-                   "chunk's last --obs-window rows over what the head holds, instead of keeping "
-                   "the first chunk's choice")
+    p.add_argument("--rechoose", action=argparse.BooleanOptionalAction, default=True,
+                   help="fastgen: choose each head's policy again at every chunk read "
+                   "(--prefill-chunk, a chat's turns), from the chunk's last --obs-window rows "
+                   "over what the head holds; --no-rechoose keeps the first chunk's choice "
+                   "(default: choose again, which measured better; see the README)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")

@@ -152,7 +152,7 @@ class CacheOptions:
     paper: bool = False               # fastgen: the paper's literal method
     evict_every: int | None = None    # compressed caches: steps between evictions
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
-    rechoose: bool = False            # fastgen: choose each head's policy again at every chunk
+    rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
