@@ -276,8 +276,9 @@ class FastGenCache(nn.Module):
     # --- What the cache holds ------------------------------------------------------
 
     def seen(self) -> torch.Tensor:
-        """(S,) tokens each segment's sequence has seen: its prompt and one per
-        step reserved (between steps, every reserved step has run)."""
+        """(S,) tokens each segment's sequence has seen: what it read (the prompt
+        and every chunk) and one per step reserved (between steps, every
+        reserved step has run)."""
         return self.seg_prompt_len + self.steps
 
     @property
