@@ -224,7 +224,7 @@ class FastGenCache(nn.Module):
         flags = self.token_flags[tokens][:, None].expand(B, K, T).reshape(S, T)
         self.pool.write(k.reshape(S * T, D), v.reshape(S * T, D),
                         at.masked_fill(~valid, -1).view(-1), flags.reshape(-1),
-                        self.pool.taking.reshape(-1))
+                        self.pool.taken(T).reshape(-1))
         self.pool.forget()  # padding written is no slot's
         # The rows that choose again: the chunk's last, if every sequence has them.
         R = min(self.rows or T, T) if self.rechoose and bool(valid[:, -1].all()) else 0

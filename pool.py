@@ -246,12 +246,14 @@ class Pool(nn.Module, abc.ABC):
 
     def next_slot(self, n: int = 1):
         """Point the step at each segment's next free slot (`dest`), or a chunk
-        at its next n (`taking`, (S, n))."""
-        at = self.cursor.at
-        self.taking = self.free[:, at:at + n]
+        at its next n (`taken`)."""
         if n == 1:
-            self.dest.copy_(self.free[:, at])
+            self.dest.copy_(self.free[:, self.cursor.at])
         self.cursor.at += n
+
+    def taken(self, n: int) -> torch.Tensor:
+        """(S, n): the slots a chunk of n tokens was pointed at (`next_slot(n)`)."""
+        return self.free[:, self.cursor.at - n:self.cursor.at]
 
     def left(self) -> int:
         """Free slots handed out that no step has taken yet, per segment."""
@@ -399,8 +401,8 @@ class MaskedPool(Pool):
 
     def write_key(self, slot, k):
         self.k.index_copy_(1, slot, k.T)
-        # Each new token, seen by its own segment.
-        self.bias.view(len(self.dest), -1)[self.owner[slot // self.page], slot] = 0.0
+        # Each new token, seen by its own segment (a chunk's slots come segment by segment).
+        self.bias.view(len(self.dest), -1).scatter_(1, slot.view(len(self.dest), -1), 0.0)
 
     def attend(self, q):
         y, last = masked_attention(q, self.k, self.v.view(-1, self.v.shape[-1]), self.bias)

@@ -319,7 +319,7 @@ class State:
         self.dest_ok = [j < len(flat) and bool(flat[j] < 0 and owner[j] == s)
                         for s, j in enumerate(cache.pool.dest.tolist())]
         # A chunk's: every slot handed out for it free and its own, none twice.
-        taking = getattr(cache.pool, "taking", None)
+        taking = cache.pool.taken(cache.clock.ready) if cache.clock.ready else None
         self.taking_ok = taking is None or all(
             len(set(row)) == len(row) and all(flat[j] < 0 and owner[j] == s for j in row)
             for s, row in enumerate(taking.tolist()))
