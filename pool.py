@@ -317,7 +317,8 @@ class Pool(nn.Module, abc.ABC):
             g.pages = n
         for name, ts in parts.items():
             rows = torch.cat(ts)
-            setattr(self, name, self.keys(rows) if name == "k" else rows.view(-1, P, *rows.shape[1:]))
+            rows = self.keys(rows) if name == "k" else rows.view(-1, P, *rows.shape[1:])
+            setattr(self, name, rows)
         self.place()
         self.hide()
         self.mark_dynamic()

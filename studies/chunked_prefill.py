@@ -12,10 +12,11 @@ cache (KL to the full cache's next-token distribution and top-1 agreement,
 averaged over the new tokens), and `--passkeys` pass-key prompts of about that
 length (evaluate.py's, greedy answer). Caches: the full cache; FastGen's budget
 mode at each of `--budgets`, the prompt read in one call and in chunks of
-`--chunk` tokens, the plan chosen on the first chunk and kept (`--no-rechoose`) or
-chosen again at every chunk (the default); and `sink` read in the same chunks at the share of the bytes
-that chunked FastGen allocated on the first window (so that the two compare at
-about equal bytes; each row reports its own share). Every method reads the
+`--chunk` tokens, the plan chosen on the first chunk and kept
+(`--no-rechoose`) or chosen again at every chunk (the default); and `sink`
+read in the same chunks at the share of the bytes that chunked FastGen
+allocated on the first window (so that the two compare at about equal
+bytes; each row reports its own share). Every method reads the
 prompt itself (a chunked prefill's later tokens attend to a compressed cache,
 so no dense prefill can be shared).
 

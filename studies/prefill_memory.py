@@ -127,12 +127,13 @@ def name(row: dict) -> str:
 
 def report(res: dict) -> str:
     mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
-    lines = [f"# Peak memory of prefill, one call against chunks\n",
+    lines = ["# Peak memory of prefill, one call against chunks\n",
              f"{res['date']}, {res['machine']}, {res['threads']} torch thread(s); "
              f"{res['runtime_s'] / 60:.1f} min. Command: `{res['command']}`\n",
              "Each row is a fresh process reading one prompt of real text and generating "
              f"{NEW_TOKENS} tokens. MiB. *peak RSS*: the process's resident high-water mark; "
-             "*own*: above what it held once the model was loaded and had run once; *cache peak*: the most the "
+             "*own*: above what it held once the model was loaded and had run once; "
+             "*cache peak*: the most the "
              "caches held at once (pools or dense buffers, the prompt keys, values and queries "
              "waiting to be profiled, and the keys and values of the call), sampled after every "
              "layer's call; *KV at end*: what they hold after the last token, against the full "
@@ -153,7 +154,8 @@ def report(res: dict) -> str:
                   "shortest.\n", "| cache | prefill | longest that fits | first that did not |",
                   "|---|---|---:|---|"]
         for r in cap["rows"]:
-            lines.append(f"| {'full' if r['kv'] == 'full' else 'fastgen ' + format(r['budget'], 'g')}"
+            kind = "full" if r["kv"] == "full" else f"fastgen {r['budget']:g}"
+            lines.append(f"| {kind}"
                          f" | {r['chunk'] or 'one call'} | {r['longest'] or 'none'} | "
                          f"{r['failed'] or '-'} |")
     return "\n".join(lines) + "\n"
