@@ -4,9 +4,9 @@ Each user turn is rendered with the checkpoint's chat template, and only the tex
 adds after what the cache already holds is encoded and fed, so a conversation is never encoded
 twice. Every cache takes a turn in chunks of CHUNK tokens, each attending over everything
 before it. A compressed cache keeps of each chunk what its heads' policies keep
-(FastGenCache.chunk): a turn counts as read, like the first, so each policy's share holds for
-the whole conversation and the budget with it. Each head keeps the policy that profiling gave it
-on the first turn; a later turn is not profiled again (see the README).
+(FastGenCache.chunk): a turn counts as read, like the first, and each chunk chooses every
+head's policy again from its last rows (`CacheOptions.rechoose`, the default; otherwise the first
+turn's plan is kept), so the budget holds for the whole conversation (see the README).
 """
 from __future__ import annotations
 

@@ -221,17 +221,18 @@ class Pool(nn.Module, abc.ABC):
         for g in self.groups:
             seg = g.seg.to(q.device)
             k, v, pos = g.block(keys), g.block(self.v), g.block(self.pos)  # (n, C, D), (n, C)
+            qs, ats, ok, newest = q[seg], at[seg], valid[seg], latest[seg]  # this group's rows
             got, last, seen = 0, 0, []
             for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
-                sees = (pos[:, None] >= 0) & (pos[:, None] <= at[seg][:, rows, None])  # (n, t, C)
-                scores = (q[seg][:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
+                sees = (pos[:, None] >= 0) & (pos[:, None] <= ats[:, rows, None])  # (n, t, C)
+                scores = (qs[:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
                 probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1)
                 if padded:
                     probs.nan_to_num_(0.0)
                 y[seg[:, None], :, rows] = (probs.to(v.dtype) @ v[:, None]).transpose(1, 2)
                 probs = probs.mean(1)  # (n, t, C), averaged over the G query heads
-                got = got + (probs * valid[seg][:, rows, None]).sum(1)
-                last = last + (probs * latest[seg][:, rows, None]).sum(1)
+                got = got + (probs * ok[:, rows, None]).sum(1)
+                last = last + (probs * newest[:, rows, None]).sum(1)
                 if observe and rows[-1] >= T - observe:
                     seen.append(probs[:, (rows >= T - observe).nonzero()[:, 0]])
             if observe:
@@ -239,7 +240,7 @@ class Pool(nn.Module, abc.ABC):
             g.block(self.score).add_(got)
             if "last" in self.fields:
                 block = g.block(self.last)
-                block.copy_(torch.where(valid[seg].any(1, keepdim=True), last, block))
+                block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
         return y
 
     # --- Between steps -----------------------------------------------------------

@@ -120,9 +120,12 @@ def longest(job: dict, cap_mib: int, lengths: list[int]) -> dict:
     return dict(job, longest=fit, failed=failed)
 
 
+def kind(row: dict) -> str:
+    return "full" if row["kv"] == "full" else f"fastgen {row['budget']:g}"
+
+
 def name(row: dict) -> str:
-    kind = "full" if row["kv"] == "full" else f"fastgen {row['budget']:g}"
-    return f"{kind}, " + (f"chunks of {row['chunk']}" if row["chunk"] else "one call")
+    return f"{kind(row)}, " + (f"chunks of {row['chunk']}" if row["chunk"] else "one call")
 
 
 def report(res: dict) -> str:
@@ -141,9 +144,8 @@ def report(res: dict) -> str:
              "| prompt | cache | prefill | peak RSS | own | cache peak | KV at end | full KV | "
              "kept | prefill s |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
-        kind = "full" if r["kv"] == "full" else f"fastgen {r['budget']:g}"
         lines.append(
-            f"| {r['length']:,} | {kind} | {r['chunk'] or 'one call'} | {mib(r['peak_rss'])} | "
+            f"| {r['length']:,} | {kind(r)} | {r['chunk'] or 'one call'} | {mib(r['peak_rss'])} | "
             f"{mib(r['peak_rss'] - r['rss_loaded'])} | {mib(r['cache_peak'])} | "
             f"{mib(r['kv_end'])} | {mib(r['full_kv'])} | {r['kept']:.2f} | {r['prefill_s']:.1f} |")
     if res.get("cap"):
@@ -154,8 +156,7 @@ def report(res: dict) -> str:
                   "shortest.\n", "| cache | prefill | longest that fits | first that did not |",
                   "|---|---|---:|---|"]
         for r in cap["rows"]:
-            kind = "full" if r["kv"] == "full" else f"fastgen {r['budget']:g}"
-            lines.append(f"| {kind}"
+            lines.append(f"| {kind(r)}"
                          f" | {r['chunk'] or 'one call'} | {r['longest'] or 'none'} | "
                          f"{r['failed'] or '-'} |")
     return "\n".join(lines) + "\n"
@@ -194,14 +195,13 @@ def main(argv=None):
     if a.child:
         print(json.dumps(child(json.loads(a.child))))
         return
-    import torch
+    from tqdm import tqdm
 
     from studies.evaluate import machine
     t0 = time.time()
     kinds = [("full", None)] + [("fastgen", b) for b in a.budgets]
     jobs = [dict(ckpt=a.ckpt, kv=kv, budget=b, chunk=chunk, length=n, threads=a.threads)
             for n in a.lengths for kv, b in kinds for chunk in (None, a.chunk)]
-    from tqdm import tqdm
     rows = [run(job) for job in tqdm(jobs, desc="runs")]
     res = dict(date=time.strftime("%Y-%m-%d"), machine=machine(), threads=a.threads,
                command="python -m studies.prefill_memory " + " ".join(argv or sys.argv[1:]),
@@ -218,7 +218,6 @@ def main(argv=None):
     out.with_suffix(".md").write_text(report(res))
     plot(res, out.with_suffix(".png"))
     print(report(res))
-    del torch
 
 
 def parse_args(argv=None):
