@@ -54,6 +54,7 @@ from cache import profile_layers
 from generation import CacheOptions, make_caches
 from model import causal_attention
 from profiling import local_ratios
+from studies.textdata import SOURCES
 
 BASELINES = ("local", "sink", "h2o", "tova", "snapkv")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -538,9 +539,10 @@ def parse_args(argv=None):
     p.add_argument("--passkey-tokens", type=int, default=8, help="greedy tokens per answer (8)")
     p.add_argument("--passkey-chat", action="store_true", help="ChatML-wrap the passkey "
                    "question (default: a plain prompt, which this small model answers better)")
-    p.add_argument("--text", default="pydoc", choices=["pydoc", "news"], help="real text: "
-                   "Python's documentation (pydoc) or news prose (news, from gensim's test data: "
-                   "pip install --no-deps gensim==4.4.0) (default pydoc)")
+    p.add_argument("--text", default="pydoc", choices=SOURCES, help="real text: "
+                   "Python's documentation (pydoc), news prose (news) or Usenet discussion "
+                   "(usenet); news and usenet are gensim's test data: pip install --no-deps "
+                   "gensim==4.4.0 (default pydoc)")
     p.add_argument("--thresholds", type=float, nargs="*", default=[0.9],
                    help="FastGen recovery thresholds T with the new defaults (none: no rows)")
     p.add_argument("--paper-thresholds", type=float, nargs="*", default=[0.7, 0.9, 0.98],
