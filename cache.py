@@ -84,7 +84,9 @@ class FastGenCache(nn.Module):
     `policies`: one for every segment (the baselines), the paper's shortlist
     under `threshold`, or a menu under `budget` (a share of the tokens a full
     cache holds). Profiling reads the last `rows` prompt rows (None: all) and,
-    unless `sink`, leaves the first token's attention out of the recovery.
+    unless `sink`, leaves the first token's attention out of the recovery; a
+    prompt token scores the most attention any of the `span` tokens up to it
+    got (profiling.carried).
     Eviction runs every `evict_every` steps (None: half a page, at least
     EVICT_EVERY); pages hold `page` slots (None: by prompt length). Layers that
     share `pending` decide together. With `eager`, a small pool is laid out for
@@ -98,12 +100,13 @@ class FastGenCache(nn.Module):
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
-                 heads=None, rechoose: bool = False):
+                 heads=None, rechoose: bool = False, span: int = 1):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
         self.policies = list(policies)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
+        self.span = span
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
         self.evict_every = evict_every or max(EVICT_EVERY, self.page // 2)
@@ -150,7 +153,7 @@ class FastGenCache(nn.Module):
         """`profile` from profiling's `sums` of `layers` layers stacked: slots
         (layers * S, T) and recoveries (layers * S, n_policies)."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
-                              layers)
+                              layers, self.span)
         prompt.keeps_all(self.policies)
         return prompt, recoveries(self.policies, prompt, sums, sink)
 
@@ -357,7 +360,7 @@ def decide(caches: list[FastGenCache]):
     rows profiling reads (`fastgen_caches` makes them so)."""
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
-    shared = lambda c: (c.policies, c.rows, c.sink, c.max_new_tokens)  # noqa: E731
+    shared = lambda c: (c.policies, c.rows, c.sink, c.span, c.max_new_tokens)  # noqa: E731
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")

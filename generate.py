@@ -20,8 +20,8 @@ import torch
 
 import tp
 from chat import Chat, ConversationFull
-from generation import (DTYPES, KV_KINDS, CacheOptions, Generation, dense_kv_bytes, flags_of,
-                        generate, load)
+from generation import (DTYPES, KV_KINDS, SPAN, CacheOptions, Generation, dense_kv_bytes,
+                        flags_of, generate, load)
 from tokenizer import TokenizerError
 
 
@@ -103,8 +103,9 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
          recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
-         sink_mass: str = "count", paper: bool = False, evict_every: int | None = None,
-         prefill_chunk: int | None = None, rechoose: bool = True, save_plan: str | None = None,
+         span: int = SPAN, sink_mass: str = "count", paper: bool = False,
+         evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
+         save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
@@ -122,7 +123,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     """
     cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
                          kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
-                         sink_mass=sink_mass, paper=paper, evict_every=evict_every,
+                         span=span, sink_mass=sink_mass, paper=paper, evict_every=evict_every,
                          prefill_chunk=prefill_chunk, rechoose=rechoose)
     device = tp.init(device)
     with tp.same_outcome():
@@ -318,6 +319,11 @@ def parse_args(argv=None):
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")
     p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "
                    "prompt rows; 0 reads every row, as the paper (default 32)")
+    p.add_argument("--span", type=int, default=SPAN, help="fastgen: a prompt token scores "
+                   "the most attention any of the N tokens up to it got from the rows profiled, "
+                   "so that heavy hitters keep what follows what the prompt's last rows read "
+                   "(an answer copies a number or a name token after token); 1: each token its "
+                   f"own score, as the paper (default {SPAN})")
     p.add_argument("--sink-mass", default="count", choices=["count", "drop"], help="fastgen: "
                    "whether the first token's attention counts in a head's recovery (default "
                    "count)")

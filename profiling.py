@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from policies import Local, Policy, Slots, Union, shares
 
@@ -139,19 +140,35 @@ def add_bands(bands, rows_sum, chunk, windows, cols, i0: int) -> None:
     bands.scatter_add_(3, strip.clamp(min=0)[:, :, None].expand_as(part), part)
 
 
-def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1) -> Slots:
+def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1,
+                 span: int = 1) -> Slots:
     """The prompts as the slots policies rank, one row per segment of `layers`
     layers stacked, (layers * B * K, T): each token's position (-1 past its
-    prompt's end), the attention the rows read gave it, its flags from
-    `flags` (B, T), and the first row read."""
+    prompt's end), its score (the attention the rows read gave it, carried
+    `span` tokens on: `carried`), its flags from `flags` (B, T), and the
+    first row read."""
     T = flags.shape[1]
     per_seg = lambda t: t.repeat_interleave(n_kv_heads, dim=0).repeat(  # noqa: E731
         layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * B * K, ...)
     positions = torch.arange(T, device=lens.device)
     return Slots(pos=per_seg(torch.where(positions < lens[:, None], positions, -1)),
-                 score=sums.colsum, flags=per_seg(flags), seen=per_seg(lens[:, None]),
+                 score=carried(sums.colsum, span), flags=per_seg(flags),
+                 seen=per_seg(lens[:, None]),
                  prompt_len=per_seg(lens[:, None]),
                  first_query=per_seg(lens[:, None]) - sums.rows.long()[:, None], last=sums.last)
+
+
+def carried(colsum, span: int) -> torch.Tensor:
+    """(S, T) each token's score: the most attention any of the `span` tokens
+    up to it (itself and the span - 1 before it) received. What decoding reads
+    next is often what follows what the prompt's last rows read: an answer
+    copies a number or a name token after token, each step attending to the
+    token after the last one copied, which the question itself barely looked
+    at. Ranked by their own scores, heavy hitters keep a needle's first digits
+    and drop the rest (README, "Quality on long prompts")."""
+    if span <= 1:
+        return colsum
+    return F.max_pool1d(F.pad(colsum[:, None], (span - 1, 0)), span, 1)[:, 0]
 
 
 def held_profile(probs, held: Slots, rows, ratios) -> Profile:

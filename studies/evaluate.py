@@ -69,18 +69,23 @@ class Config:
     options: dict
 
 
-def configs(thresholds, budgets, paper_thresholds=(), ablation=False, kinds=None) -> list[Config]:
+def configs(thresholds, budgets, paper_thresholds=(), ablation=False, kinds=None,
+            span=None) -> list[Config]:
     """The full cache; FastGen as the paper states it (threshold T), with the new
-    defaults in threshold and budget modes; the fixed policies at each budget;
-    with `ablation`, the budget mode at the middle budget with one choice changed."""
+    defaults in threshold and budget modes (`span`: their span, None the
+    default); the fixed policies at each budget; with `ablation`, the budget
+    mode at the middle budget with one choice changed."""
+    new = {} if span is None else {"span": span}
     out = [Config("full", "full", {})]
     out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
             for t in paper_thresholds]
-    out += [Config(f"fastgen T={t:g}", "fastgen", {"recovery": t}) for t in thresholds]
-    out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
+    out += [Config(f"fastgen T={t:g}", "fastgen", {"recovery": t, **new}) for t in thresholds]
+    out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b, **new})
+            for b in budgets]
     if ablation:
         undo = {"sum": {"hh_score": "sum"}, "all-rows": {"obs_window": 0},
-                "sink-dropped": {"sink_mass": "drop"}, "every-step": {"evict_every": 1}}
+                "sink-dropped": {"sink_mass": "drop"}, "every-step": {"evict_every": 1},
+                "no-span": {"span": 1}}
         b = sorted(budgets)[len(budgets) // 2]  # the middle budget
         out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
                 for name, o in undo.items()]
@@ -438,7 +443,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
          ablation: bool = False, text: str = "pydoc", batch: int = 30, r_local: float = 0.3,
          r_frequent: float = 0.3, seed: int = 0, peer: str | None = None,
          peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
-         kinds=None, add_rows: str | None = None,
+         kinds=None, add_rows: str | None = None, span: int | None = None,
          threads: int | None = None, command: str | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics)."""
@@ -468,7 +473,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     if max(prompt_len + new_tokens, longest) > model.args.max_seq_len:
         raise ValueError(f"{max(prompt_len + new_tokens, longest)} tokens exceed the model's "
                          f"context of {model.args.max_seq_len}")
-    cfgs = configs(thresholds, budgets, paper_thresholds, ablation, kinds)
+    cfgs = configs(thresholds, budgets, paper_thresholds, ablation, kinds, span)
     run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent)
     rows = text_quality(model, texts, new_tokens, cfgs, **run)
     for name, r in (passkey(model, tok, cases, passkey_tokens, cfgs, **run) if cases else {}).items():
@@ -560,6 +565,8 @@ def parse_args(argv=None):
                    help="FastGen budgets and fixed policies' budgets: share of the prompt kept per head (none: "
                         "no fixed-policy rows)")
     p.add_argument("--batch", type=int, default=30, help="most windows / cases per batch (30)")
+    p.add_argument("--span", type=int, help="span of the FastGen rows but the paper's "
+                   "(generate.py --span; default: its default)")
     p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
     p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
     p.add_argument("--seed", type=int, default=0)

@@ -274,18 +274,21 @@ def answer_text(tok, ids: list[int]) -> str:
 
 # --- Methods, replayed from one prefill --------------------------------------------
 
-def method_configs(methods, budgets, thresholds) -> list[Config]:
+def method_configs(methods, budgets, thresholds, span=None) -> list[Config]:
     """The full cache first (the reference), then each method at each budget
-    (FastGen's threshold and paper modes at each threshold instead)."""
+    (FastGen's threshold and paper modes at each threshold instead); `span`:
+    FastGen's but the paper's (None: the default)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {', '.join(unknown)}; methods: {', '.join(METHODS)}")
+    new = {} if span is None else {"span": span}
     out = [Config("full", "full", {})]
     for m in methods:
         if m == "fastgen":
-            out += [Config(f"fastgen b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
+            out += [Config(f"fastgen b={b:g}", "fastgen", {"kv_budget": b, **new})
+                    for b in budgets]
         elif m == "fastgen-threshold":
-            out += [Config(f"fastgen-threshold T={t:g}", "fastgen", {"recovery": t})
+            out += [Config(f"fastgen-threshold T={t:g}", "fastgen", {"recovery": t, **new})
                     for t in thresholds]
         elif m == "fastgen-paper":
             out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
@@ -526,6 +529,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
          thresholds=(0.9,), kl_lengths=None, kl_windows=None, kl_tokens=None,
          text: str = "pydoc", chat: bool = False, batch_tokens: int = 32768, r_local: float = 0.3,
          r_frequent: float = 0.3, seed: int = 0, threads: int | None = None,
+         span: int | None = None,
          command: str | None = None) -> dict:
     """Run the tasks and the text quality; write OUT.json, OUT.md and OUT.png and
     return {"results": {length: {reading: {"rows", "excluded"}}}, "text", "meta"}.
@@ -546,7 +550,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
     model, tok = load(ckpt)
     flags = flags_of(model, tok)
     hay = Haystack(tok, text)
-    cfgs = method_configs(methods, budgets, thresholds)
+    cfgs = method_configs(methods, budgets, thresholds, span)
     context = model.args.max_seq_len
     longest_answer = max(NEW_TOKENS[t] for t in tasks)
     notes, results, raw, parts, kl = [], {}, {}, {}, {}
@@ -591,7 +595,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
         model=Path(ckpt).name if ckpt else "SmolLM2-135M-Instruct", text=text,
         format="ChatML" if chat else "plain", cases=cases, seed=seed, tasks=list(tasks),
         budgets=list(budgets), thresholds=list(thresholds), r_local=r_local,
-        r_frequent=r_frequent, kl_windows=kl_windows, kl_tokens=kl_tokens,
+        r_frequent=r_frequent, span=span, kl_windows=kl_windows, kl_tokens=kl_tokens,
         runtime_s=time.perf_counter() - t0, runtime_by_part_s=parts, notes=notes,
         complete=True), chat)
     for n in notes:
@@ -693,6 +697,8 @@ def parse_args(argv=None):
                    "recorded prefill holds about 115 kB a token for SmolLM2, 3.8 GB)")
     p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
     p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
+    p.add_argument("--span", type=int, help="span of FastGen but the paper's (generate.py "
+                   "--span; default: its default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the cases and windows (default 0)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 "
                    "leaves the other core to other work")

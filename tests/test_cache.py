@@ -10,7 +10,8 @@ from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate,
 from model import KVCache, ModelArgs, Transformer
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
-from profiling import CHUNK_BYTES, attention_sums, local_ratios, recovery
+from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, local_ratios, prompt_slots,
+                       recovery)
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
@@ -622,3 +623,18 @@ def test_a_chunk_chooses_again_as_a_prompt_would(rows):
     cache.reserve(chunked)  # the chunk's eviction follows the new plan
     for a, b in zip(one_call, chunked):
         assert a.kept() == b.kept()
+
+
+def test_a_span_carries_a_score_to_the_tokens_after_it():
+    colsum = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]])
+    assert carried(colsum, 1) is colsum
+    assert carried(colsum, 3).tolist() == [[0, 5, 5, 5, 0, 1, 1, 1]]
+    # Heavy hitters of 3 tokens: the spike and the two after it, not the spike
+    # and the next highest.
+    prof = Profile(colsum, {}, torch.tensor([2.0]), torch.zeros_like(colsum))
+    lens, flags = torch.tensor([8]), torch.zeros(1, 8, dtype=torch.uint8)
+    heavy = Frequent(3 / 8, "sum")
+    for span, want in ((1, {1, 5}), (3, {1, 2, 3})):
+        s = prompt_slots(prof, lens, flags, 1, span=span)
+        kept = set(s.pos[s.keeps(heavy)].tolist())
+        assert want <= kept and len(kept) == 3
