@@ -427,14 +427,14 @@ def test_decode_compiles_once_without_graph_breaks(kv, decode_attention):
     prompts = prompts_of(lens, seed=7)
     flags = random_flags(256, 0)
     # At 0.75 each layer of this model has two groups, one with Local, both with Frequent.
-    caches = make_caches(model, CacheOptions(kv, recovery=0.75), lens, max_new, flags)
+    options = CacheOptions(kv, recovery=0.75, span=1)
+    caches = make_caches(model, options, lens, max_new, flags)
     expected = greedy(model, prompts, caches, max_new).argmax(-1)
     if kv == "fastgen":
         assert all(len(c.pool.groups) == 2 for c in caches)
     step, counters = fresh_compile()
     with torch.no_grad():
-        model.setup_caches(make_caches(model, CacheOptions(kv, recovery=0.75), lens, max_new,
-                                       flags))
+        model.setup_caches(make_caches(model, options, lens, max_new, flags))
         cur, lens_t = first_token(model, prompts)
         out = [cur]
         for c in model.caches():
