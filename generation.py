@@ -27,7 +27,7 @@ KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 # FastGen's default span (`--span`, profiling.carried), chosen on the
 # documentation text alone among 1, 4, 8 and 16 by the mean KL over budgets
 # 0.25, 0.5 and 0.75 (0.0571, 0.0461, 0.0373, 0.0365), then measured on the
-# other texts and on needles (README, "Quality on other texts").
+# other texts and on needles (README, "The span" and Results).
 SPAN = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -165,7 +165,7 @@ def carried(colsum, span: int) -> torch.Tensor:
     copies a number or a name token after token, each step attending to the
     token after the last one copied, which the question itself barely looked
     at. Ranked by their own scores, heavy hitters keep a needle's first digits
-    and drop the rest (README, "Quality on long prompts")."""
+    and drop the rest (README, "The span")."""
     if span <= 1:
         return colsum
     return F.max_pool1d(F.pad(colsum[:, None], (span - 1, 0)), span, 1)[:, 0]

@@ -580,6 +580,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
+    if a.span is not None and a.span < 1:
+        p.error(f"--span must be 1 (each token its own score) or more (got {a.span})")
     return a
 
 
