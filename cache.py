@@ -9,9 +9,11 @@ heads has B*K of them. The method, in the order it runs:
    every candidate policy recovers (profiling.py); each segment takes the
    shortlist's first policy that reaches the threshold T (the paper), or,
    under a byte budget, the menu item that maximizes its layer's recovered
-   attention with all heads within the budget.
+   attention with all heads within the budget. A menu item may store its
+   tokens in fewer bits (`bits`): it then costs fewer bytes a token and
+   recovers less, by what rounding moves (profiling.precision_errors).
 3. Compress (`compress`): each segment keeps the prompt tokens its policy
-   keeps, in a pool whose bytes follow what is kept (pool.py).
+   keeps, at its precision, in a pool whose bytes follow what is kept (pool.py).
 4. Decode (`FastGenCache.decode`): the new token is written to a free slot of
    its segment, attends to everything the segment holds, and adds the
    attention each held token got to its score (heavy hitters stay live).
@@ -31,6 +33,7 @@ time, their few hundred small operations cost as much as the arithmetic.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -41,7 +44,8 @@ import pool
 from model import causal_attention
 from policies import Full, Policy, Slots
 from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
-                       prompt_slots, recoveries)
+                       precision_errors, prompt_slots, recoveries)
+from quant import token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
@@ -83,7 +87,10 @@ class FastGenCache(nn.Module):
 
     `policies`: one for every segment (the baselines), the paper's shortlist
     under `threshold`, or a menu under `budget` (a share of the tokens a full
-    cache holds). Profiling reads the last `rows` prompt rows (None: all) and,
+    cache holds). `bits`: the precision each policy stores its tokens at
+    (quant.py; None: the model's dtype for all), a policy appearing once per
+    precision in a menu; the budget is then a share of the bytes of a full
+    cache stored in 16 bits. Profiling reads the last `rows` prompt rows (None: all) and,
     unless `sink`, leaves the first token's attention out of the recovery; a
     prompt token scores the most attention any of the `span` tokens up to it
     got (profiling.carried).
@@ -100,11 +107,16 @@ class FastGenCache(nn.Module):
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
-                 heads=None, rechoose: bool = False, span: int = 1):
+                 heads=None, rechoose: bool = False, span: int = 1, bits=None):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
+        if bits is not None and len(bits) != len(policies):
+            raise ValueError(f"bits: one precision per policy (got {len(bits)} for "
+                             f"{len(policies)})")
         self.policies = list(policies)
+        self.bits = None if bits is None else list(bits)
+        self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
         self.span = span
         lens = prompt_lens  # (B,)
@@ -138,6 +150,7 @@ class FastGenCache(nn.Module):
         t0 = _clock(q.device)
         # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
+        self.head_dim = k.shape[-1]
         self.profile_s = _clock(q.device) - t0
         self.pending.add(self)
         return causal_attention(q, k, v)
@@ -167,7 +180,7 @@ class FastGenCache(nn.Module):
         chosen = [self.policies[i] for i in sorted(set(choice))]
         self.pool = pool.build(choice, kept, growth, any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
-                               heads_per_kv=G, eager=self.eager, device=device)
+                               heads_per_kv=G, eager=self.eager, device=device, bits=self.bits)
         # Each segment's prompt length, first query profiled, and policy (`follow`).
         by = torch.tensor(choice, device=device)
         for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
@@ -227,7 +240,7 @@ class FastGenCache(nn.Module):
         flags = self.token_flags[tokens][:, None].expand(B, K, T).reshape(S, T)
         self.pool.write(k.reshape(S * T, D), v.reshape(S * T, D),
                         at.masked_fill(~valid, -1).view(-1), flags.reshape(-1),
-                        self.pool.taken(T).reshape(-1))
+                        self.pool.taken(T).reshape(-1), per=T)
         self.pool.forget()  # padding written is no slot's
         # The rows that choose again: the chunk's last, if every sequence has them.
         R = min(self.rows or T, T) if self.rechoose and bool(valid[:, -1].all()) else 0
@@ -244,7 +257,8 @@ class FastGenCache(nn.Module):
         and, under a budget, its cost, within the budget of what a full cache
         will hold by the planned end. Segments stay in their groups; the next
         eviction asks their new policies. A policy that reads the latest
-        query's attention is offered only where the pool keeps it."""
+        query's attention is offered only where the pool keeps it, and a
+        policy at another precision than the segment's tokens are stored at never."""
         P, ratios = self.policies, local_ratios(self.policies)
         new = max(self.max_new_tokens - 1 - self.steps, 0)
         S, M = len(self.choice), len(P)
@@ -260,13 +274,20 @@ class FastGenCache(nn.Module):
             growth = torch.stack([p.growth(s) for p in P], 1)
             costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
                 growth * new).long()
+            if self.bits is not None:
+                other = [i for i, b in enumerate(self.bits) if b != g.bits]
+                values[seg[:, None], other] = -math.inf
         if "last" not in self.pool.fields:
             values[:, [i for i, p in enumerate(P) if p.reads_last]] = -1.0
+        unit, full_unit = self.token_bytes()
+        if self.errors is not None:
+            values = values - self.errors
+        costs = costs * unit
         self.recovery = values
         if self.budget is None:
             choice = choose(values, self.threshold)
         else:
-            full = int((self.seen() + new).sum())
+            full = int((self.seen() + new).sum()) * full_unit
             if self.heads is not None:  # tensor parallel: every rank solves for every head
                 values, costs = self.heads.gather(values[None]), self.heads.gather(costs[None])
                 full = full * values.shape[1] // S
@@ -303,6 +324,18 @@ class FastGenCache(nn.Module):
         remaining = self.max_new_tokens - 1 - self.steps
         return min(E - self.clock.since % E, remaining) if remaining > 0 else E
 
+    def token_bytes(self) -> tuple[torch.Tensor, int]:
+        """What a kept token costs under each policy, (M,), and in a full cache:
+        with `bits`, the bytes of its key and value and of its slot's other
+        fields (a full cache's, K and V in 16 bits); else 1 and 1, a budget
+        counted in tokens."""
+        M = len(self.policies)
+        if self.bits is None:
+            return torch.ones(M, dtype=torch.long, device=self.prompt_lens.device), 1
+        D, slot = self.head_dim, pool.slot_bytes(any(p.reads_last for p in self.policies))
+        return torch.tensor([token_bytes(b, D) + slot for b in self.bits],
+                            device=self.prompt_lens.device), token_bytes(16, D)
+
     def reserve(self, tokens=1):
         """`reserve` of this layer alone."""
         reserve([self], tokens)
@@ -323,6 +356,12 @@ class FastGenCache(nn.Module):
     def plan(self) -> list[Policy]:
         """The policy of each segment (sequence-major, then KV head)."""
         return [self.policies[i] for i in self.choice.tolist()]
+
+    def plan_names(self) -> list[str]:
+        """`plan` as text, each policy with its precision where the menu has several."""
+        if self.bits is None:
+            return [repr(p) for p in self.plan()]
+        return [f"{self.policies[i]!r} @{self.bits[i]} bits" for i in self.choice.tolist()]
 
 
 # --- 2, 3. Profile, choose, compress: several layers at once ---------------------
@@ -360,12 +399,22 @@ def decide(caches: list[FastGenCache]):
     rows profiling reads (`fastgen_caches` makes them so)."""
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
-    shared = lambda c: (c.policies, c.rows, c.sink, c.span, c.max_new_tokens)  # noqa: E731
+    shared = lambda c: (c.policies, c.bits, c.rows, c.sink, c.span, c.max_new_tokens)  # noqa: E731
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
     prompt, recovery = first.from_sums(profile_layers(caches), first.held[3], first.sink,
                                        layers=len(caches))
+    if first.bits is not None and set(first.bits) - {16}:
+        # What each precision costs, as attention lost: 16 bits nothing.
+        q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
+        kinds = sorted(set(first.bits))
+        errors = precision_errors(q, k, v, first.prompt_lens.repeat(len(caches)), kinds,
+                                  first.rows)
+        errors = errors[:, [kinds.index(b) for b in first.bits]]  # (L * S, M)
+        recovery = recovery - errors
+        for c, e in zip(caches, errors.view(len(caches), -1, errors.shape[1])):
+            c.errors = e
     # The prompt's (L * S, T) slots and recoveries (L * S, M); each policy's keep (M, L * S, T).
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])
     growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
@@ -402,11 +451,13 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
     budgeted = [i for i, c in enumerate(caches) if c.choice is None]
     if budgeted:
         new = caches[0].max_new_tokens - 1
-        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()).view(L, -1, M)[budgeted]
+        unit, full_unit = caches[0].token_bytes()  # a budget in tokens, or in bytes with `bits`
+        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()) * unit
+        costs = costs.view(L, -1, M)[budgeted]
         values, heads = recovery[budgeted], caches[0].heads
         if heads is not None:  # tensor parallel: every rank solves for every head
             values, costs = heads.gather(values), heads.gather(costs)
-        full = (prompt.prompt_len[:recovery.shape[1]] + new).sum()  # a layer's, uncompressed
+        full = (prompt.prompt_len[:recovery.shape[1]] + new).sum() * full_unit  # a layer's
         full = full * costs.shape[1] // recovery.shape[1]  # every rank's heads
         picks = fit_budgets(values, costs, [int(caches[i].budget * full) for i in budgeted])
         for i, pick in zip(budgeted, picks if heads is None else heads.mine(picks)):

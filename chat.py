@@ -45,6 +45,7 @@ class Turn:
     interrupted: bool = False  # Ctrl-C stopped the answer
     capped: bool = False       # the answer was cut short to stay within the cache's room
     plan: list[list[str]] = field(default_factory=list)  # first turn of a compressed cache only
+    full_kv_bits: int | None = None  # full_kv_bytes with K and V in this many bits (None: the model's)
 
     def summary(self, number: int) -> str:
         rate = len(self.fed) / max(self.prefill_s, 1e-9)
@@ -54,7 +55,8 @@ class Turn:
                 + (" (cut short: the cache is nearly full)" if self.capped else "")
                 + f"; the cache has seen {self.cache_len} tokens and holds "
                 f"{self.kept_tokens / self.seen_tokens:.1%} of them; {allocated} vs "
-                f"{self.full_kv_bytes / 2**20:.2f} MiB for a full cache of {self.cache_len} tokens")
+                f"{self.full_kv_bytes / 2**20:.2f} MiB for a full cache of {self.cache_len} tokens"
+                + (" in 16 bits" if self.full_kv_bits else ""))
 
 
 class Chat:
@@ -67,7 +69,9 @@ class Chat:
 
     def __init__(self, model, tok, *, cache: CacheOptions = CacheOptions(), max_new_tokens=128,
                  compile=False, token_flags=None, sampling=None):
-        self.model, self.tok, self.cache, self.full = model, tok, cache, cache.kv == "full"
+        # The dense cache grows by CHUNK; a full cache in fewer bits is a compressed one's pool.
+        self.full = cache.kv == "full" and not cache.kv_bits
+        self.model, self.tok, self.cache = model, tok, cache
         self.max_new_tokens, self.compile = max_new_tokens, compile
         self.token_flags, self.sampling = token_flags, sampling or {}
         self.device = model.tok_embeddings.weight.device
@@ -161,8 +165,9 @@ class Chat:
         seen = a.n_layers * a.n_kv_heads * self.length
         turn = Turn(fed, out, reply, prefill_s, decode_s, steps - (1 if self.compile and steps else 0),
                     self.length, seen if self.full else sum(c.kept() for c in caches), seen,
-                    sum(c.nbytes() for c in caches), dense_kv_bytes(self.model, 1, self.length),
-                    compile_s, **flags)
+                    sum(c.nbytes() for c in caches),
+                    dense_kv_bytes(self.model, 1, self.length, 16 if self.cache.kv_bits else None),
+                    compile_s, full_kv_bits=16 if self.cache.kv_bits else None, **flags)
         if first and not self.full:
-            turn.plan = [[repr(p) for p in c.plan()] for c in caches]
+            turn.plan = [c.plan_names() for c in caches]
         return turn

@@ -105,7 +105,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
          span: int = SPAN, sink_mass: str = "count", paper: bool = False,
          evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
-         save_plan: str | None = None,
+         kv_bits: tuple[int, ...] | None = None, save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
@@ -124,7 +124,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
                          kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
                          span=span, sink_mass=sink_mass, paper=paper, evict_every=evict_every,
-                         prefill_chunk=prefill_chunk, rechoose=rechoose)
+                         prefill_chunk=prefill_chunk, rechoose=rechoose, kv_bits=kv_bits)
     device = tp.init(device)
     with tp.same_outcome():
         check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
@@ -245,6 +245,15 @@ def interactive(a) -> int:
             print(turn.summary(number), file=sys.stderr)
 
 
+def bits_list(text: str) -> tuple[int, ...]:
+    """--kv-bits: precisions separated by commas, e.g. 16,8,4."""
+    import argparse
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of bit widths like 16,8,4")
+
+
 def parse_args(argv=None):
     import argparse
 
@@ -314,6 +323,12 @@ def parse_args(argv=None):
                    "(--prefill-chunk, a chat's turns), from the chunk's last --obs-window rows "
                    "over what the head holds; --no-rechoose keeps the first chunk's choice "
                    "(default: choose again, which measured better; see the README)")
+    p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]", help="compressed caches "
+                   "and full: store keys and values in B bits (16: float16; 8, 4, 2: rounded per "
+                   "token in groups of 32 numbers, each with a float16 scale and minimum). Several, "
+                   "fastgen's budget mode only: every menu policy at every precision, each head's "
+                   "chosen by profiling, --kv-budget then a share of the bytes of a full cache "
+                   "stored in 16 bits; e.g. 16,8,4 (default: the model's dtype, no rounding)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")

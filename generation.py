@@ -21,7 +21,8 @@ import tp
 from cache import fastgen_caches, reserve
 from pool import page_size
 from model import KVCache, Transformer
-from policies import SnapKV, baseline, menu, shortlist, token_flags
+from policies import Full, SnapKV, baseline, menu, shortlist, token_flags
+from quant import BITS
 
 KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 # FastGen's default span (`--span`, profiling.carried), chosen on the
@@ -159,6 +160,7 @@ class CacheOptions:
     evict_every: int | None = None    # compressed caches: steps between evictions
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
     rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
+    kv_bits: tuple[int, ...] | None = None  # compressed caches: precisions a head may store at
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
@@ -183,6 +185,13 @@ class CacheOptions:
              f"--evict-every must be 1 (every step) or more (got {self.evict_every})")
         need(self.prefill_chunk is None or self.prefill_chunk >= 1,
              f"--prefill-chunk must be 1 token or more (got {self.prefill_chunk})")
+        bits = self.kv_bits or ()
+        need(all(b in BITS for b in bits) and len(set(bits)) == len(bits),
+             f"--kv-bits takes distinct precisions among {', '.join(map(str, BITS))} "
+             f"(got {','.join(map(str, bits))})")
+        need(len(bits) <= 1 or self.kv == "fastgen" and self.recovery is None and not self.paper,
+             "several --kv-bits make a menu of precisions, which only FastGen's budget mode "
+             "chooses from: give one precision, or --kv fastgen without --recovery and --paper")
         two_modes = self.recovery is not None and self.kv_budget is not None
         need(not (self.kv == "fastgen" and two_modes),
              "--recovery (threshold mode) and --kv-budget (budget mode) choose two different "
@@ -203,8 +212,18 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     evict every `evict_every` steps (default: half a page of the pool, at least
     cache.EVICT_EVERY = 8 tokens; 1 with `paper`). With `compiled`, the decode
     step will be compiled, and every layer's pool is laid out for it.
+
+    `kv_bits`: the precisions a compressed cache stores keys and values at
+    (quant.py); several make FastGen's menu every policy at every precision
+    (and Full at those below 16 bits), its budget a share of the bytes of a
+    full cache in 16 bits. `full` with `kv_bits` is a full cache at that
+    precision: a compressed cache whose every head keeps everything.
     """
     a, w, o = model.args, model.tok_embeddings.weight, options
+    if o.kv == "full" and o.kv_bits:
+        return fastgen_caches(model, [Full()], prompt_lens, max_new_tokens, token_flags,
+                              bits=list(o.kv_bits), evict_every=o.evict_every,
+                              eager=not compiled)
     if o.kv == "full":
         max_len = max(prompt_lens) + max_new_tokens
         return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
@@ -224,20 +243,27 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     elif o.kv == "fastgen":
         policies = menu(o.r_local, o.r_frequent, o.hh_score)
         kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget)
+        if o.kv_bits:  # every policy at every precision; Full too, where it saves bytes
+            items = [(p, b) for b in o.kv_bits for p in policies + [Full()] * (b < 16)]
+            policies, bits = map(list, zip(*items))
+            kw.update(bits=bits)
         if tp.world() > 1:  # the budget is the whole model's: the ranks share their heads' tables
             kw.update(heads=tp.Heads(len(prompt_lens)))
     else:  # the fixed policies as their authors define them
         policy = baseline(o.kv, 0.5 if o.kv_budget is None else o.kv_budget)
         policies = [policy]
         kw = dict(rows=policy.window if isinstance(policy, SnapKV) else None, **evict)
+    if o.kv_bits and "bits" not in kw:  # one precision for every policy
+        kw.update(bits=list(o.kv_bits) * len(policies))
     return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **kw)
 
 
-def dense_kv_bytes(model: Transformer, batch: int, max_len: int) -> int:
-    """Bytes the full cache allocates for this batch: K and V, every layer."""
+def dense_kv_bytes(model: Transformer, batch: int, max_len: int, bits: int | None = None) -> int:
+    """Bytes the full cache allocates for this batch: K and V, every layer, in
+    the model's dtype or, with `bits`, in that many bits a number."""
     a = model.args
-    elem = model.tok_embeddings.weight.element_size()
-    return 2 * a.n_layers * batch * a.n_kv_heads * max_len * a.head_dim * elem
+    elem = model.tok_embeddings.weight.element_size() if bits is None else bits / 8
+    return int(2 * a.n_layers * batch * a.n_kv_heads * max_len * a.head_dim * elem)
 
 
 # --- Generation and scoring ------------------------------------------------
@@ -253,6 +279,7 @@ class Generation:
     compile_s: float = 0.0              # the first compiled step, excluded from decode_s
     kv_bytes: int = 0                   # allocated by the cache at the end
     full_kv_bytes: int = 0              # the full cache for the same work
+    full_kv_bits: int | None = None     # ... with K and V in this many bits (None: the model's)
     kv_bytes_per_rank: list[int] = field(default_factory=list)  # tensor parallel: each rank's
     kept_tokens: int = 0                # (sequence, KV head, layer) triples held at the end
     seen_tokens: int = 0                # the same count for a full cache
@@ -283,7 +310,8 @@ class Generation:
             f"({self.decode_steps} steps, {self.decode_s:.2f} s)"
             + (f", compile {self.compile_s:.1f} s" if self.compile_s else ""),
             f"KV cache allocated {self.kv_bytes / 2**20:.2f} MiB"
-            + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB "
+            + (f" vs full {self.full_kv_bytes / 2**20:.2f} MiB"
+               + (f" in {self.full_kv_bits} bits" if self.full_kv_bits else "") + " "
                f"({self.kv_bytes / self.full_kv_bytes:.1%}); kept {self.kept_tokens} of "
                f"{self.seen_tokens} tokens ({self.kept_tokens / self.seen_tokens:.1%}); "
                f"{self.growths} growths" if self.plan else "")
@@ -352,14 +380,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     caches = model.caches()
     gen = Generation(out, lens, prefill_s, decode_s, steps - (1 if compile and steps else 0),
                      compile_s, sum(c.nbytes() for c in caches),
-                     dense_kv_bytes(model, B, T + max_new_tokens))
+                     dense_kv_bytes(model, B, T + max_new_tokens, 16 if cache.kv_bits else None),
+                     full_kv_bits=16 if cache.kv_bits else None)
     gen.interrupted = interrupted
-    if cache.kv != "full":
+    if cache.kv != "full" or cache.kv_bits:
         K = model.args.n_kv_heads
         gen.kept_tokens = sum(c.kept() for c in caches)
         gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
         gen.profile_s = sum(c.profile_s for c in caches)
-        gen.plan = [[repr(p) for p in c.plan()] for c in caches]
+        gen.plan = [c.plan_names() for c in caches]
         gen.recovery = [c.recovery.tolist() for c in caches]
         gen.growths = sum(c.growths() for c in caches)
     model.setup_caches(None)

@@ -26,6 +26,12 @@ Two layouts implement the same pool. `PagedPool` keeps K as pages (N, D, P)
 faster than against (P, D)) and pieces each segment's softmax together from
 its pages. `MaskedPool`, for small pools attended eagerly, keeps K as one
 (D, N * P) and attends every query to every slot, kept to its own by a bias.
+
+Each group stores its keys and values at its policy's precision (quant.py):
+the groups of one precision sit together as a *part* of the pages, whose K
+and V live in tensors of their own (K and V in the model's dtype or float16,
+or codes with their scales and minima), read back in the model's dtype when
+attended. Only the paged layout holds quantized parts.
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 import torch.nn as nn
+
+from quant import dequantize, quantize, storage_dtype
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments
 # in a group, N pages, P slots per page, C slots per segment in a group,
@@ -61,6 +69,22 @@ CHUNK_ROWS = 128
 SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
 
 
+def slot_bytes(reads_last: bool) -> int:
+    """Bytes a slot holds besides its key and value: position (int32), score
+    (float32), flags (uint8) and, for a policy that reads it, the latest
+    query's attention (float32)."""
+    return 4 + 4 + 1 + 4 * reads_last
+
+
+def stored(bits: int | None) -> list[str]:
+    """The tensors a part of precision `bits` keeps its K and V in: "k" and "v"
+    unquantized (None: in the model's dtype; 16: in 16 bits), else codes,
+    scales and minima."""
+    if bits in (None, 16):
+        return ["k", "v"]
+    return [f"{x}{bits}{part}" for x in "kv" for part in ("", "_scale", "_low")]
+
+
 @dataclass
 class Group:
     """Segments of one layer that follow the same policy, stored as an (n, C)
@@ -68,6 +92,7 @@ class Group:
     policy: int  # the policy's index in the cache's list
     rows: list[int]  # the n segment ids
     growth: float  # the largest share of new tokens a segment's policy holds (Policy.growth)
+    bits: int | None = None  # the precision its K and V are stored at (`stored`)
     first: int = 0
     pages: int = 1
 
@@ -75,10 +100,11 @@ class Group:
     def seg(self) -> torch.Tensor:
         return torch.tensor(self.rows)
 
-    def block(self, t: torch.Tensor) -> torch.Tensor:
-        """The group's part of a pool tensor (N, P, ...) as (n, C, ...): a view."""
+    def block(self, t: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """The group's part of a pool tensor (N, P, ...) as (n, C, ...), a view;
+        of a tensor whose first page is the pool's page `base`, of that part."""
         n = len(self.rows)
-        part = t[self.first:self.first + n * self.pages]
+        part = t[self.first - base:self.first - base + n * self.pages]
         return part.reshape(n, self.pages * part.shape[1], *part.shape[2:])
 
 
@@ -114,10 +140,12 @@ def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
 
 
 def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
-          page: int, every: int, new: int, heads_per_kv: int, eager: bool, device) -> Pool:
+          page: int, every: int, new: int, heads_per_kv: int, eager: bool, device,
+          bits: list | None = None) -> Pool:
     """A pool laid out for what each segment keeps of its prompt (`fill_from_prompt`
     fills it): on the host, each segment's policy index, its kept tokens and
-    its policy's `growth`. Each group gets room for the new tokens until the
+    its policy's `growth`; `bits`, each policy index's precision (None: the
+    model's dtype for all). Each group gets room for the new tokens until the
     first eviction (every `every` tokens), plus what the budget charged its
     policy for the `new` tokens in all (a quarter of its width at most, as
     `grow` grows): a group of heads that keep them all never grows."""
@@ -128,14 +156,20 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
         seg = sorted((s for s in range(len(choice)) if choice[s] == i), key=kept.__getitem__)
         sizes = [kept[s] for s in seg]
         for g, pages in group_pages(sizes, room, page):
-            group = Group(i, seg[g], max(growth[s] for s in seg[g]))
+            group = Group(i, seg[g], max(growth[s] for s in seg[g]), bits and bits[i])
             planned = min(math.ceil(group.growth * new), pages * page // 4)
             group.pages = max(1, -(-(sizes[g.stop - 1] + room + planned) // page))
             groups.append(group)
+    # The parts, most bits first: each part's pages follow the one before.
+    precisions = sorted({g.bits for g in groups}, key=lambda b: -(b or 99))
+    groups.sort(key=lambda g: precisions.index(g.bits))  # stable: policy order within a part
     # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
-    fields = {n: e for n, e in SLOT_FIELDS.items() if n != "last" or reads_last}
+    fields = {n: e for n, e in SLOT_FIELDS.items() if n not in ("k", "v", "last") or
+              n == "last" and reads_last}
+    fields.update({n: 0 for b in precisions for n in stored(b)})
     slots = sum(len(g.rows) * g.pages for g in groups) * page
-    masked = eager and attends_masked(len(choice), heads_per_kv, slots)
+    masked = eager and precisions in ([None], [16]) and attends_masked(len(choice), heads_per_kv,
+                                                                       slots)
     return (MaskedPool if masked else PagedPool)(groups, page, every, fields, len(choice), device)
 
 
@@ -157,44 +191,113 @@ class Pool(nn.Module, abc.ABC):
 
     def place(self):
         """Page offsets of the groups, the owner of every page and each segment's
-        first slot (its slots run on from there, one group row) and their number."""
+        first slot (its slots run on from there, one group row) and their number;
+        each part's precision, first page, pages and segments (`parts`)."""
         first, owner, S = 0, [], len(self.dest)
         start, width = [0] * S, [0] * S
+        parts = {}
         for g in self.groups:
             g.first = first
+            part = parts.setdefault(g.bits, [first, 0, []])
+            part[1] += len(g.rows) * g.pages
+            part[2] += g.rows
             for j, s in enumerate(g.rows):
                 start[s], width[s] = (first + g.pages * j) * self.page, g.pages * self.page
                 owner += [s] * g.pages
             first += len(g.rows) * g.pages
         self.size = first * self.page
+        self.parts = [(bits, f, n) for bits, (f, n, _) in parts.items()]
+        # What compiled steps read of the parts: their precisions, fixed for the
+        # pool's life, and their first slots as a tensor, which growth changes.
+        self.precisions = list(parts)
+        device = self.dest.device
         for name, t in dict(owner=owner, start=start, width=width).items():
-            self.register_buffer(name, torch.tensor(t, device=self.dest.device), persistent=False)
+            self.register_buffer(name, torch.tensor(t, device=device), persistent=False)
+        # Each part's segments and first slot, for its writes, where there are several parts.
+        self.part_rows = [f"rows{bits}" for bits in parts] if len(parts) > 1 else []
+        for name, (_, _, rows) in zip(self.part_rows, parts.values()):
+            self.register_buffer(name, torch.tensor(sorted(rows), device=device), persistent=False)
+        if self.part_rows:
+            self.part_rows.append("part_start")
+            self.register_buffer("part_start", torch.tensor(
+                [f * self.page for f, _, _ in parts.values()], device=device), persistent=False)
+
+    def part(self, name: str) -> tuple[int, list[Group]]:
+        """The first page of a field's tensor and the groups it holds: a part's
+        K and V hold its own groups' pages, the other fields every page."""
+        if name in SLOT_FIELDS and name not in ("k", "v"):
+            return 0, self.groups
+        bits = next(b for b, _, _ in self.parts if name in stored(b))
+        return next(f for b, f, _ in self.parts if b == bits), [
+            g for g in self.groups if g.bits == bits]
 
     def fill(self, k, v, rows, fields: dict, source):
         """Slot i holds row rows[i] of k and v (B, K, T, D), read as the model lays
         them out, (B * T * K, D), and element source[i] of each of `fields`, flat
         (an empty slot's keys and values are another token's, never attended to)."""
         P, D = self.page, k.shape[-1]
+        self.dtype = k.dtype  # what K and V are read back as
         for name in self.fields:
-            if name in ("k", "v"):
-                t = (k if name == "k" else v).transpose(1, 2).reshape(-1, D).index_select(0, rows)
-                t = self.keys(t) if name == "k" else t.view(-1, P, D)
-            else:
-                t = fields[name].index_select(0, source).view(-1, P)
-            self.register_buffer(name, t, persistent=False)
+            if name in SLOT_FIELDS and name not in ("k", "v"):
+                self.register_buffer(name, fields[name].index_select(0, source).view(-1, P),
+                                     persistent=False)
+        k, v = ((t.transpose(1, 2).reshape(-1, D).index_select(0, rows)) for t in (k, v))
+        for bits, first, n in self.parts:
+            at = slice(first * P, (first + n) * P)
+            for name, t in self.encode(bits, k[at], v[at]).items():
+                t = self.keys(t) if name == "k" else t.view(-1, P, *t.shape[1:])
+                self.register_buffer(name, t, persistent=False)
         self.hide()
         self.mark_dynamic()
 
+    def encode(self, bits, k, v) -> dict:
+        """Rows of k and v (n, D) as a part of precision `bits` stores them, (n, ...) each."""
+        if bits is None:
+            return dict(k=k, v=v)
+        if bits == 16:
+            dtype = storage_dtype(bits, self.dtype)
+            return dict(k=k.to(dtype), v=v.to(dtype))
+        return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
+
+    def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
+        """A part's K as (n, D, P) and V as (n, P, D) pages, in the model's dtype."""
+        if bits in (None, 16):
+            return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
+        codes = [getattr(self, name) for name in stored(bits)]
+        k = dequantize(*codes[:3], bits, self.dtype)  # (n, P, D)
+        return k.transpose(1, 2), dequantize(*codes[3:], bits, self.dtype)
+
+    def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (N, D, P) and V (N, P, D) of every part, in the model's dtype."""
+        k, v = zip(*(self.read(bits) for bits in self.precisions))
+        if len(k) == 1:
+            return k[0], v[0]
+        return torch.cat(k), torch.cat(v)
+
     # --- A decode step -----------------------------------------------------------
 
-    def write(self, k, v, pos, flags, slot=None):
+    def write(self, k, v, pos, flags, slot=None, per: int = 1):
         """Each segment's new token, k and v (S, D), its position and flags (S,),
-        into the slot `dest` holds for it; or n tokens, (n, D) and (n,), into `slot`."""
-        slot, D = self.dest if slot is None else slot, v.shape[-1]
-        self.write_key(slot, k)
-        self.v.view(-1, D).index_copy_(0, slot, v)
+        into the slot `dest` holds for it; or `per` tokens of each segment,
+        (S * per, D) and (S * per,), into `slot`. Each part quantizes its own."""
+        slot = self.dest if slot is None else slot
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, flags)
+        for i, bits in enumerate(self.precisions):
+            if not self.part_rows:
+                rows, at = None, slot
+            else:
+                rows = getattr(self, f"rows{bits}")
+                if per > 1:
+                    rows = (rows[:, None] * per + torch.arange(per, device=rows.device)).view(-1)
+                at = slot.index_select(0, rows) - self.part_start[i]
+            ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
+            for name, t in self.encode(bits, ks, vs).items():
+                if name == "k":
+                    self.write_key(at, t)
+                else:
+                    dest = getattr(self, name)
+                    dest.view(-1, dest.shape[-1]).index_copy_(0, at, t.view(-1, dest.shape[-1]))
 
     def add_scores(self, last):
         """The attention each slot got from the latest query, (N, P)."""
@@ -215,12 +318,13 @@ class Pool(nn.Module, abc.ABC):
         S, G, T, D = q.shape
         y = q.new_empty(q.shape)
         self.observed = []
-        keys = self.key_pages()  # (N, P, D)
+        keys, values = self.kv_pages()
+        keys = keys.transpose(1, 2)  # (N, P, D)
         latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
         padded = not bool(valid.all())  # a padding query may see no slot: its softmax is NaN
         for g in self.groups:
             seg = g.seg.to(q.device)
-            k, v, pos = g.block(keys), g.block(self.v), g.block(self.pos)  # (n, C, D), (n, C)
+            k, v, pos = g.block(keys), g.block(values), g.block(self.pos)  # (n, C, D), (n, C)
             qs, ats, ok, newest = q[seg], at[seg], valid[seg], latest[seg]  # this group's rows
             got, last, seen = 0, 0, []
             for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
@@ -281,14 +385,16 @@ class Pool(nn.Module, abc.ABC):
     def widen(self, grow: dict[int, int]):
         """Add `grow[i]` empty pages to each segment of group i; the pool is rebuilt."""
         parts = {name: [] for name in self.fields}
-        for i, g in enumerate(self.groups):
-            extra = grow.get(i, 0)
-            for name, empty in self.fields.items():
-                t = self.pages(name)[g.first:g.first + len(g.rows) * g.pages]
+        for name, empty in self.fields.items():
+            base, groups = self.part(name)
+            for g in groups:
+                extra = grow.get(self.groups.index(g), 0)
+                t = self.pages(name)[g.first - base:g.first - base + len(g.rows) * g.pages]
                 t = t.reshape(len(g.rows), g.pages, *t.shape[1:])
                 pad = t.new_full((len(g.rows), extra, *t.shape[2:]), empty)
                 parts[name].append(torch.cat([t, pad], 1).flatten(0, 1))
-            g.pages += extra
+        for i, extra in grow.items():
+            self.groups[i].pages += extra
         for name, ts in parts.items():
             setattr(self, name, self.from_pages(name, torch.cat(ts)))
         self.n_growths += len(grow)
@@ -308,13 +414,17 @@ class Pool(nn.Module, abc.ABC):
         if pages == [g.pages for g in self.groups]:
             return
         parts = {name: [] for name in self.fields}
-        for g, h, n in zip(self.groups, held, pages):
-            order = (~h).byte().argsort(dim=1, stable=True)[:, :n * P]  # held slots first
-            for name in self.fields:
-                t = g.block(self.key_pages() if name == "k" else getattr(self, name))
+        orders = {id(g): (~h).byte().argsort(dim=1, stable=True)[:, :n * P]  # held slots first
+                  for g, h, n in zip(self.groups, held, pages)}
+        for name in self.fields:
+            base, groups = self.part(name)
+            for g in groups:
+                order = orders[id(g)]
+                t = g.block(self.key_pages() if name == "k" else getattr(self, name), base)
                 at = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape,
                                                                              *t.shape[2:])
                 parts[name].append(t.gather(1, at).flatten(0, 1))  # (n * n_pages * P, ...)
+        for g, n in zip(self.groups, pages):
             g.pages = n
         for name, ts in parts.items():
             rows = torch.cat(ts)
@@ -330,7 +440,8 @@ class Pool(nn.Module, abc.ABC):
 
     def nbytes(self) -> int:
         """Bytes really held: the slots' fields and every index tensor."""
-        return sum(getattr(self, name).nbytes for name in (*self.fields, *self.STATE))
+        names = (*self.fields, *self.STATE, *self.part_rows)
+        return sum(getattr(self, name).nbytes for name in names)
 
     def kept(self) -> int:
         return int((self.pos >= 0).sum())
@@ -388,7 +499,7 @@ class PagedPool(Pool):
         self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
 
     def attend(self, q):
-        return paged_attention(q, self.k, self.v, self.pos < 0, self.owner)
+        return paged_attention(q, *self.kv_pages(), self.pos < 0, self.owner)
 
     def key_pages(self):
         return self.k.transpose(1, 2)
@@ -407,7 +518,8 @@ class MaskedPool(Pool):
         self.bias.view(len(self.dest), -1).scatter_(1, slot.view(len(self.dest), -1), 0.0)
 
     def attend(self, q):
-        y, last = masked_attention(q, self.k, self.v.view(-1, self.v.shape[-1]), self.bias)
+        k, v = self.k.to(q.dtype), self.v.to(q.dtype)  # 16-bit storage read back
+        y, last = masked_attention(q, k, v.view(-1, v.shape[-1]), self.bias)
         return y, last.view_as(self.score)
 
     def pages(self, name):

@@ -26,7 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from policies import Local, Policy, Slots, Union, shares
+from quant import dequantize, quantize
 
+# Prompt rows that measure what a precision costs when profiling reads every row.
+ERROR_ROWS = 32
 # Bytes of attention probabilities materialised at once while profiling.
 CHUNK_BYTES = 64 << 20
 # Query rows a chunk holds at most when Local bands are summed: a chunk's band
@@ -181,6 +184,47 @@ def held_profile(probs, held: Slots, rows, ratios) -> Profile:
              for r, w in zip(ratios, windows)}
     return Profile(probs.sum(1), bands, probs.new_full((len(probs),), rows.shape[1]),
                    probs[:, -1])
+
+
+def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None) -> torch.Tensor:
+    """(B * K, len(bits)): what storing each segment's keys and values in `bits`
+    costs the last `rows` prompt rows read (None: the last ERROR_ROWS): the attention
+    mass its rounded keys move (half the L1 distance between the attention
+    rows, 0 to 1) plus the share of the attention output its rounded values
+    change, |A (V_b - V)| / |A V|, averaged over the rows and the G query heads
+    of each KV head. The paper's criterion, |A - softmax(Q K_C^T)| <= 1 - T,
+    for a compression C that rounds instead of dropping. 16 bits costs nothing.
+
+    q: (B, H, T', D) the queries of the last T' rows, k and v (B, K, T, D)."""
+    B, K, T, D = k.shape
+    rows = rows or ERROR_ROWS
+    q = q[:, :, -min(q.shape[2], T - int((lens - lens.clamp(max=rows)).min())):]
+    H, R = q.shape[1], q.shape[2]
+    G = H // K
+    out = q.new_zeros(B * K, len(bits), dtype=torch.float32)
+    at = torch.arange(T - R, T, device=q.device)  # each query's position
+    read = (at < lens[:, None]) & (at >= lens[:, None] - rows)  # (B, R)
+    sees = (torch.arange(T, device=q.device) <= at[:, None]) & (  # (B, R, T)
+        torch.arange(T, device=q.device) < lens[:, None, None])
+    q = q.float().reshape(B, K, G * R, D) / math.sqrt(D)
+    k, v = k.float(), v.float()
+
+    def attention(keys):  # (B, K, G, R, T)
+        s = (q @ keys.transpose(-1, -2)).view(B, K, G, R, T)
+        return s.masked_fill_(~sees[:, None, None], -math.inf).softmax(-1).nan_to_num_(0.0)
+
+    a = attention(k)
+    y = a @ v[:, :, None]  # (B, K, G, R, D)
+    weight = read[:, None, None].float()  # (B, 1, 1, R): the rows read
+    n = (read.sum(1).clamp(min=1) * G)[:, None]  # (B, 1)
+    for i, b in enumerate(bits):
+        if b == 16:
+            continue
+        kb, vb = (dequantize(*quantize(t, b), b) for t in (k, v))
+        moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)
+        changed = (a @ (vb - v)[:, :, None]).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-6)
+        out[:, i] = (((moved + changed) * weight).sum((2, 3)) / n).view(-1)
+    return out
 
 
 def local_ratios(policies: list[Policy]) -> list[float]:

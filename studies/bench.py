@@ -209,6 +209,14 @@ def peak_memory(device):
         mem["gpu_peak"] = torch.cuda.max_memory_allocated(device)
 
 
+def cache_options(spec: str) -> CacheOptions:
+    """--kv's KIND[@B[/B...]][:BUDGET], e.g. full@16 or fastgen@16/8/4:0.25."""
+    spec, _, budget = spec.partition(":")
+    kind, _, bits = spec.partition("@")
+    return CacheOptions(kind, kv_budget=float(budget) if budget else None,
+                        kv_bits=tuple(int(b) for b in bits.split("/")) if bits else None)
+
+
 def time_ours(model, prompts, new_tokens, cache: CacheOptions, compile, flags,
               compile_options=None) -> dict:
     with peak_memory(model.tok_embeddings.weight.device) as mem:
@@ -306,8 +314,19 @@ def check_device_args(args) -> None:
                                 backend=args.compile_backend)
 
 
+def check_kv(specs) -> None:
+    """UsageError (one line) for a --kv entry that names no cache."""
+    for spec in specs:
+        try:
+            cache_options(spec).check()
+        except ValueError as e:
+            raise gen.UsageError(f"--kv {spec}: {e}; write KIND[@B[/B...]][:BUDGET], e.g. "
+                                 "fastgen@16/8/4:0.25") from None
+
+
 def bench(args) -> str:
     """Run every measurement; return the markdown report."""
+    check_kv(args.kv)
     from policies import token_flags
     from tokenizer import Tokenizer, TokenizerError
 
@@ -335,12 +354,12 @@ def bench(args) -> str:
     roofline = lambda B: B * bw * 1e9 / (w_bytes + B * kv_token * context)
 
     configs = [("transformers", "", False)] + [
-        ("ours", kv, comp) for comp in args.compiled for kv in ("full", "fastgen")]
+        ("ours", kv, comp) for comp in args.compiled for kv in args.kv]
 
     def run(impl, kv, comp, prompts, new_tokens):
         if impl == "transformers":
             return time_hf(hf, prompts, new_tokens)
-        return time_ours(model, prompts, new_tokens, CacheOptions(kv), comp, flags,
+        return time_ours(model, prompts, new_tokens, cache_options(kv), comp, flags,
                          args.compile_options)
 
     rows = []
@@ -436,6 +455,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, nargs="+", action="extend",
                    help="batch sizes; list or repeat them (default 1 8)")
     p.add_argument("--runs", type=int, default=3, help="runs per row (default 3)")
+    p.add_argument("--kv", nargs="+", default=["full", "fastgen"], metavar="KIND[@B][:BUDGET]",
+                   help="our caches to time: a --kv kind, with its --kv-bits after @ (slashes "
+                   "between several) and its --kv-budget after a colon, e.g. full@16 "
+                   "fastgen@16/8/4:0.25 (default: full fastgen)")
     p.add_argument("--stat", choices=["median", "best"], default="median",
                    help="report the median or the fastest of the runs; best suits a machine "
                         "that other processes share (default median)")

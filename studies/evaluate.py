@@ -70,11 +70,14 @@ class Config:
 
 
 def configs(thresholds, budgets, paper_thresholds=(), ablation=False, kinds=None,
-            span=None) -> list[Config]:
+            span=None, precision=False) -> list[Config]:
     """The full cache; FastGen as the paper states it (threshold T), with the new
     defaults in threshold and budget modes (`span`: their span, None the
     default); the fixed policies at each budget; with `ablation`, the budget
-    mode at the middle budget with one choice changed."""
+    mode at the middle budget with one choice changed; with `precision`, the
+    budget mode choosing among 16, 8 and 4 bits and at 16 bits alone, the full
+    cache at 8, 4 and 2 bits, and h2o and SnapKV at 16, 8 and 4 bits (a
+    family per precision: `h2o@4`)."""
     new = {} if span is None else {"span": span}
     out = [Config("full", "full", {})]
     out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
@@ -90,6 +93,13 @@ def configs(thresholds, budgets, paper_thresholds=(), ablation=False, kinds=None
         out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
                 for name, o in undo.items()]
     out += [Config(f"{kind} b={b:g}", kind, {"kv_budget": b}) for kind in BASELINES for b in budgets]
+    if precision:
+        out += [Config(f"fastgen-budget@{'/'.join(map(str, bits))} b={b:g}", "fastgen",
+                       {"kv_budget": b, "kv_bits": bits, **new})
+                for bits in ((16, 8, 4), (16,)) for b in budgets]
+        out += [Config(f"full@{q}", "full", {"kv_bits": (q,)}) for q in (8, 4, 2)]
+        out += [Config(f"{kind}@{q} b={b:g}", kind, {"kv_budget": b, "kv_bits": (q,)})
+                for kind in ("h2o", "snapkv") for q in (16, 8, 4) for b in budgets]
     return [c for c in out if kinds is None or c.name == "full" or family(c.name) in kinds]
 
 
@@ -190,8 +200,10 @@ def batches(items, most):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent) -> dict:
-    """Per config: KL, top-1 agreement, perplexity and bytes share over the windows."""
+def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent,
+                 reference=1.0) -> dict:
+    """Per config: KL, top-1 agreement, perplexity and bytes share over the
+    windows; the share against the full cache's bytes times `reference`."""
     acc = {c.name: dict(kl=0.0, top1=0.0, nll=0.0, bytes=0, full_bytes=0, kept=0.0) for c in cfgs}
     for chunk in tqdm(batches(windows, batch), desc="text batches", leave=False):
         follow = torch.tensor([w[-n_new:] for w in chunk])  # (B, N)
@@ -201,7 +213,7 @@ def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent)
             logits, nbytes, kept = replay(model, rec, c, n_new, follow, flags, r_local, r_frequent)
             logp = logits.log_softmax(-1)
             if ref is None:  # the full cache comes first: the reference
-                ref, full_bytes = logp, nbytes
+                ref, full_bytes = logp, nbytes * reference
             a = acc[c.name]
             a["kl"] += F.kl_div(logp, ref, log_target=True, reduction="none").sum(-1).sum().item()
             a["top1"] += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
@@ -236,7 +248,8 @@ def answer_ok(tok, ids, key) -> bool:
     return digits is not None and digits.group() == key
 
 
-def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent) -> dict:
+def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent,
+            reference=1.0) -> dict:
     """Per config: accuracy, bytes share and each case's answer."""
     res = {c.name: dict(correct=[], answers=[], bytes=0, full_bytes=0) for c in cfgs}
     for chunk in tqdm(batches(cases, batch), desc="passkey batches", leave=False):
@@ -244,7 +257,7 @@ def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent) -
         for c in tqdm(cfgs, desc="configurations", leave=False):
             logits, nbytes, _ = replay(model, rec, c, n_new, None, flags, r_local, r_frequent)
             r = res[c.name]
-            full_bytes = nbytes if c.kv == "full" else full_bytes
+            full_bytes = nbytes * reference if c.name == "full" else full_bytes
             for (_, key), ids in zip(chunk, logits.argmax(-1).tolist()):
                 r["answers"].append(tok.decode(ids))
                 r["correct"].append(answer_ok(tok, ids, key))
@@ -335,8 +348,10 @@ def report(rows, meta, peer_error) -> str:
              f"{meta['seed']}), teacher-forced. Passkey: {meta['passkeys']} cases of "
              f"{meta['passkey_len']} tokens ({meta['passkey_format']} prompt), greedy "
              f"{meta['passkey_tokens']} tokens, exact match of the 5 digits. KV share = bytes the "
-             "caches really allocated (K, V and index tensors) / bytes of the full cache, measured "
-             "on each task's own run; tokens held = (token, layer, KV head) entries in the cache "
+             "caches really allocated (K, V and index tensors) / bytes of the full cache"
+             + (" with its keys and values in 16 bits" if meta.get("reference_bits") else "")
+             + ", measured on each task's own run; `@B`: keys and values stored in B bits "
+             "(`--kv-bits`); tokens held = (token, layer, KV head) entries in the cache "
              "at the end / entries of the full cache: the gap to the KV share is room reserved up "
              "front for what a policy might keep of the new tokens."
              + (" The passkey prompt is plain text ending in `The pass key is`: this instruct model "
@@ -444,6 +459,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
          r_frequent: float = 0.3, seed: int = 0, peer: str | None = None,
          peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
          kinds=None, add_rows: str | None = None, span: int | None = None,
+         precision: bool = False,
          threads: int | None = None, command: str | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics)."""
@@ -473,8 +489,11 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     if max(prompt_len + new_tokens, longest) > model.args.max_seq_len:
         raise ValueError(f"{max(prompt_len + new_tokens, longest)} tokens exceed the model's "
                          f"context of {model.args.max_seq_len}")
-    cfgs = configs(thresholds, budgets, paper_thresholds, ablation, kinds, span)
-    run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent)
+    cfgs = configs(thresholds, budgets, paper_thresholds, ablation, kinds, span, precision)
+    # With precisions, shares are of a full cache in 16 bits, whatever the model computes in.
+    reference = 16 / (8 * model.tok_embeddings.weight.element_size()) if precision else 1.0
+    run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent,
+               reference=reference)
     rows = text_quality(model, texts, new_tokens, cfgs, **run)
     for name, r in (passkey(model, tok, cases, passkey_tokens, cfgs, **run) if cases else {}).items():
         rows[name].update(pk_acc=r["acc"], pk_share=r["share"], pk_answers=r["answers"])
@@ -504,7 +523,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
                 passkey_format="ChatML" if passkey_chat else "plain", r_local=r_local,
                 r_frequent=r_frequent, runtime_s=ours_s, peer_runtime_s=time.perf_counter() - t0 - ours_s,
                 peer=peer or peer_rows, peer_info=got.get("info") if peer or peer_rows else None,
-                text=text, added_rows=add_rows)
+                text=text, added_rows=add_rows, reference_bits=16 if precision else None)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(report(rows, meta, peer_error))
@@ -567,6 +586,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=30, help="most windows / cases per batch (30)")
     p.add_argument("--span", type=int, help="span of the FastGen rows but the paper's "
                    "(generate.py --span; default: its default)")
+    p.add_argument("--precision", action="store_true", help="also the rows of keys and values "
+                   "in fewer bits (FastGen's budget mode choosing among 16, 8 and 4 bits, and at "
+                   "16 alone; the full cache at 8, 4 and 2 bits; h2o and SnapKV at 16, 8 and 4), "
+                   "and every share against a full cache stored in 16 bits")
     p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
     p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
     p.add_argument("--seed", type=int, default=0)

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from quant import dequantize, quantize
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       Union)
 
@@ -152,8 +153,11 @@ class Reference:
     """The reference for one layer: B sequences, K KV heads, S = B*K segments."""
 
     def __init__(self, policies, threshold, prompt_lens, n_kv_heads, token_flags, rows=None,
-                 sink=True, budget=None, evict_every=1):
+                 sink=True, budget=None, evict_every=1, bits=None, units=None):
         self.policies = list(policies)
+        # Each policy's precision (None: unrounded), and what a token costs under
+        # it and in a full cache (cost units: tokens, or bytes with precisions).
+        self.bits, self.units = bits, units
         self.evict_every = evict_every
         self.threshold, self.rows, self.sink, self.budget = threshold, rows, sink, budget
         self.lens = [int(n) for n in prompt_lens]
@@ -196,7 +200,7 @@ class Reference:
                                    state.prompt_kept[s][i])
                     for i, p in enumerate(self.policies)])
                 self.choice.append(self.choose(self.recovery[s], state.choice[s]))
-                self.k[s], self.v[s] = kk, vv
+                self.k[s], self.v[s] = self.rounded(s, kk), self.rounded(s, vv)
                 for i, p in enumerate(self.policies):
                     self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], colsum,
                                                   state.prompt_kept[s][i], first, last)
@@ -206,15 +210,25 @@ class Reference:
         if self.budget is not None and len(self.policies) > 1:
             # The choice is the cache's (tests/test_profiling.py checks the knapsack
             # against brute force); here, that it is within the budget.
-            cost = [[len(self.prompt_keep[s, i]) for i in range(len(self.policies))]
+            unit, full = self.units or ([1] * len(self.policies), 1)
+            cost = [[len(self.prompt_keep[s, i]) * unit[i] for i in range(len(self.policies))]
                     for s in range(len(self.choice))]
             prompt_cost = sum(cost[s][c] for s, c in enumerate(self.choice))
             # What the cache adds for the new tokens is between 0 and one per token.
             new = state.max_new_tokens - 1
             cheapest = sum(map(min, cost))
-            assert prompt_cost <= max(int(self.budget * K * sum(L + new for L in self.lens)),
-                                      cheapest + new * len(cost))
+            assert prompt_cost <= max(int(self.budget * K * sum(L + new for L in self.lens) * full),
+                                      cheapest + new * len(cost) * max(unit))
         return y
+
+    def rounded(self, s, x):
+        """x (n, D) as segment s's precision stores and reads it, in float64."""
+        b = None if self.bits is None else self.bits[self.choice[s]]
+        if b is None:
+            return x.double()
+        if b == 16:
+            return x.float().half().double()
+        return dequantize(*quantize(x.float(), b), b).double()
 
     def choose(self, recovery, cache_choice):
         """The first policy reaching the threshold (Full when the threshold is >= 1);
@@ -252,8 +266,8 @@ class Reference:
         y = torch.zeros(H, D, dtype=torch.float64)
         for h in range(K):
             s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
-            self.k[s] = torch.cat([self.k[s], k[h, None].double()])  # (p + 1, D)
-            self.v[s] = torch.cat([self.v[s], v[h, None].double()])
+            self.k[s] = torch.cat([self.k[s], self.rounded(s, k[h, None])])  # (p + 1, D)
+            self.v[s] = torch.cat([self.v[s], self.rounded(s, v[h, None])])
             self.kept[s] = self.kept[s] | {p}
             mask = torch.zeros(p + 1, dtype=torch.bool)
             mask[sorted(self.kept[s])] = True
@@ -344,7 +358,7 @@ class CheckedCache(nn.Module):
         self.cache = cache
         self.ref = Reference(cache.policies, cache.threshold, cache.prompt_lens.tolist(),
                              cache.n_kv_heads, cache.token_flags, cache.rows, cache.sink,
-                             cache.budget, cache.evict_every)
+                             cache.budget, cache.evict_every, cache.bits)
         self.atol = atol
         self.steps = 0
         self.tokens = 1
@@ -377,8 +391,13 @@ class CheckedCache(nn.Module):
         if prefill:
             self.ref.evict_every = self.cache.evict_every  # the default is set at prefill
             state.prompt_kept = kept
+            if self.cache.bits is not None:
+                unit, full = self.cache.token_bytes()
+                self.ref.units = unit.tolist(), full
             expected = self.ref.prefill(q, k, v, tokens, state)
-            torch.testing.assert_close(self.cache.recovery.double(), self.ref.recovery,
+            # A precision's error (profiling.precision_errors, tested apart) comes off the recovery.
+            errors = 0 if self.cache.errors is None else self.cache.errors.double()
+            torch.testing.assert_close(self.cache.recovery.double(), self.ref.recovery - errors,
                                        atol=1e-4, rtol=0,
                                        msg=lambda m: f"{m}\n{self.cache.recovery}\n{self.ref.recovery}\n{kept}")
             assert state.choice == self.ref.choice

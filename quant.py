@@ -1,0 +1,83 @@
+"""Keys and values stored in fewer bits: what a head's precision costs and keeps.
+
+A token's key (or value) of D numbers is cut into groups of GROUP numbers
+(fewer where GROUP does not divide D);
+each group is stored as unsigned `bits`-bit codes with its own float16 scale
+and minimum (asymmetric min-max rounding), several codes packed per byte:
+
+    x ~ low + scale * code,   code in 0 .. 2**bits - 1,   scale = (max - min) / (2**bits - 1)
+
+so every number is off by at most half its group's scale. Per token, so that
+a token is quantized once, as it enters the cache, and never again: a grouping
+per channel (KIVI) needs the tokens of a group together, a full-precision
+residue while a group fills, and its measured gain on this model's keys was
+small at 8 and 4 bits (README, "Precision").
+
+16 bits is no quantization: the numbers stored as float16 (or in the model's
+own dtype, if that has 16 bits), cast back on read.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Numbers per scale: per token, a group of 32 measured as faithful as 16 at 4
+# bits on this model's keys and better than 64, for an eighth of the codes'
+# bytes at 4 bits (README, "Precision").
+GROUP = 32
+BITS = (16, 8, 4, 2)
+
+
+def storage_dtype(bits: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a 16-bit head stores in for a model computing in `dtype`."""
+    return dtype if dtype.itemsize == 2 else torch.float16
+
+
+def quantize(x: torch.Tensor, bits: int, group: int = GROUP):
+    """x (..., D) as (codes (..., D * bits // 8) uint8, scale and low
+    (..., D // group) float16)."""
+    *lead, D = x.shape
+    group = math.gcd(group, D)  # a head dimension of 80 takes groups of 16
+    g = x.float().view(*lead, D // group, group)
+    low, high = g.amin(-1), g.amax(-1)
+    levels = (1 << bits) - 1
+    # Rounded to float16 first, so that the codes are those of the stored scale.
+    scale = ((high - low) / levels).half()
+    low = low.half()
+    step = scale.float().clamp(min=torch.finfo(torch.float16).tiny)[..., None]
+    codes = ((g - low.float()[..., None]) / step).round_().clamp_(0, levels).to(torch.uint8)
+    return pack(codes.view(*lead, D), bits), scale, low
+
+
+def dequantize(codes, scale, low, bits: int, dtype=torch.float32) -> torch.Tensor:
+    """`quantize`'s inverse, (..., D) in `dtype`."""
+    c = unpack(codes, bits)
+    *lead, D = c.shape
+    groups = scale.shape[-1]
+    g = c.view(*lead, groups, D // groups).to(dtype)
+    return (g * scale[..., None].to(dtype) + low[..., None].to(dtype)).view(*lead, D)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., D) codes below 2**bits as (..., D * bits // 8) bytes, the first code lowest."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes.view(*codes.shape[:-1], -1, per) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def token_bytes(bits: int, head_dim: int, group: int = GROUP) -> int:
+    """Bytes one token's key and value take in one head at `bits` (16: float16)."""
+    if bits == 16:
+        return 2 * 2 * head_dim
+    return 2 * (head_dim * bits // 8 + 2 * 2 * (head_dim // math.gcd(group, head_dim)))

@@ -1,0 +1,130 @@
+"""How to group the numbers that share a scale, measured on the model's own keys and values.
+
+For windows of real text, the exact prefill's keys and values of every layer
+are quantized each way, and the last `rows` queries of the prompt (what
+profiling reads) attend over them. Reported per way, averaged over layers,
+heads, rows and windows:
+
+- key error: half the L1 distance between the attention rows with exact and
+  quantized keys (the attention mass that moved, 0 to 1);
+- value error: |A (V_q - V)| / |A V|, with the exact attention A;
+- output error: the attention output with both quantized, relative to the exact one;
+- bytes per token of one head's key and value, codes and scales.
+
+Ways: per token, groups of 16, 32 or 64 numbers along the head dimension;
+per channel (KIVI), groups of 32 tokens for each channel.
+
+    python -m studies.quant_grouping --out results/quant/grouping
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from quant import dequantize, quantize
+
+
+def per_token(x, bits, group):
+    return dequantize(*quantize(x, bits, group), bits)
+
+
+def smoothed(x, bits, group, alpha=0.5):
+    """Per token, after dividing each channel by its largest magnitude over the
+    prompt to the power alpha (one factor per channel and head, kept at full
+    precision): keys have a few channels far larger than the rest."""
+    c = x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** alpha
+    return per_token(x / c, bits, group) * c
+
+
+def per_channel(x, bits, tokens):
+    """Groups of `tokens` consecutive tokens for each channel: x (..., T, D)."""
+    T = x.shape[-2]
+    pad = -T % tokens
+    y = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], pad, x.shape[-1])], -2) if pad else x
+    y = y.transpose(-1, -2)  # (..., D, T)
+    return per_token(y, bits, tokens).transpose(-1, -2)[..., :T, :]
+
+
+def errors(q, k, v, kq, vq, rows: int):
+    """Key, value and output errors of one layer, q (B, H, T, D), k v (B, K, T, D)."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k, v, kq, vq = (t.repeat_interleave(G, 1) for t in (k, v, kq, vq))
+    qr = q[:, :, T - rows:]
+    future = torch.arange(T) > torch.arange(T - rows, T)[:, None]  # (rows, T)
+    a = (qr @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(future, -math.inf).softmax(-1)
+    aq = (qr @ kq.transpose(-1, -2) / math.sqrt(D)).masked_fill(future, -math.inf).softmax(-1)
+    y = a @ v
+    norm = y.norm(dim=-1)
+    return dict(key=float((a - aq).abs().sum(-1).mean() / 2),
+                value=float(((a @ vq - y).norm(dim=-1) / norm).mean()),
+                output=float(((aq @ vq - y).norm(dim=-1) / norm).mean()))
+
+
+def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: int = 768,
+         rows: int = 32, text: str = "pydoc", quick: bool = False) -> dict:
+    from convert_gguf import default_checkpoint
+    from model import load_model
+    from quant import token_bytes
+    from studies.evaluate import machine, record
+    from studies.textdata import prompts
+    from tokenizer import Tokenizer
+    t0 = time.perf_counter()
+    ckpt = default_checkpoint()
+    model, tok = load_model(ckpt), Tokenizer(ckpt)
+    if quick:
+        windows, prompt_len, rows = 1, 64, 8
+    texts = prompts(tok, windows, prompt_len, prompt_len, 0, text)
+    D = model.args.head_dim
+    ways = {f"per token, groups of {g}": (per_token, g) for g in (16, 32, 64)}
+    ways["per channel, 32 tokens (KIVI)"] = (per_channel, 32)
+    for alpha in (0.5, 1.0):
+        ways[f"per token, groups of 32, channels scaled (alpha {alpha})"] = (
+            lambda x, b, g, a=alpha: smoothed(x, b, g, a), 32)
+    table = {}
+    with torch.no_grad():
+        recorders = record(model, texts)[0]
+        for name, (fn, g) in ways.items():
+            for bits in (8, 4, 2):
+                sums = dict(key=0.0, value=0.0, output=0.0)
+                for r in recorders:
+                    q, k, v = (t.float() for t in r.qkv)
+                    e = errors(q, k, v, fn(k, bits, g), fn(v, bits, g), rows)
+                    sums = {n: sums[n] + e[n] / len(recorders) for n in sums}
+                per = token_bytes(bits, D, g)
+                table[f"{name}, {bits} bits"] = dict(bytes=per, **sums)
+    meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine(), windows=windows,
+                prompt_len=prompt_len, rows=rows, text=text,
+                runtime_s=round(time.perf_counter() - t0, 1))
+    lines = [f"# Grouping of quantized keys and values ({meta['date']}, {meta['machine']})\n",
+             f"{windows} windows of {prompt_len} tokens of {text}, the last {rows} queries; "
+             f"runtime {meta['runtime_s']} s. `python -m studies.quant_grouping`\n",
+             f"Bytes: one token's key and value in one head (16 bits: {token_bytes(16, D)}).\n",
+             "| grouping | bytes | key error | value error | output error |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {n} | {r['bytes']} | {r['key']:.4f} | {r['value']:.4f} | {r['output']:.4f} |"
+              for n, r in table.items()]
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=table), indent=1))
+    print("\n".join(lines))
+    return table
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="results/quant/grouping", help="OUT.md and OUT.json")
+    p.add_argument("--windows", type=int, default=4, help="windows of text")
+    p.add_argument("--prompt-len", type=int, default=768, help="tokens per window")
+    p.add_argument("--rows", type=int, default=32, help="last queries that attend")
+    p.add_argument("--text", default="pydoc", help="pydoc, news or usenet")
+    p.add_argument("--quick", action="store_true", help="one short window, for the tests")
+    a = p.parse_args()
+    main(out=a.out, windows=a.windows, prompt_len=a.prompt_len, rows=a.rows, text=a.text,
+         quick=a.quick)

@@ -1,0 +1,196 @@
+"""Keys and values in fewer bits: rounding within its bound, bytes held as
+reported, every precision's cache against the rounded reference, and the
+budget's choice of precision."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import pool
+from cache import fastgen_caches
+from generation import CacheOptions, generate
+from model import KVCache, causal_attention
+from policies import Frequent, Full, Local, Special, baseline
+from profiling import fit_budget, precision_errors
+from quant import GROUP, dequantize, pack, quantize, token_bytes, unpack
+from reference import one_thread  # noqa: F401  (autouse fixture)
+from reference import drive
+from test_cache import greedy, prompts_of, random_flags, tiny_model
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_rounding_is_within_half_a_step(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(5, 3, 64, generator=g) * torch.logspace(-2, 2, 64)  # channels of all sizes
+    codes, scale, low = quantize(x, bits)
+    assert codes.dtype == torch.uint8 and codes.shape == (5, 3, 64 * bits // 8)
+    assert scale.shape == low.shape == (5, 3, 64 // GROUP) and scale.dtype == torch.float16
+    y = dequantize(codes, scale, low, bits)
+    step = scale.float().repeat_interleave(GROUP, -1)
+    # Half a step, and the float16 rounding of the minimum and of the step times the code.
+    bound = step / 2 + low.float().abs().repeat_interleave(GROUP, -1) * 2 ** -10 + \
+        x.abs() * 2 ** -9
+    assert ((x - y).abs() <= bound).all()
+    # Each group's largest number is kept, up to float16 rounding of its minimum and scale.
+    grouped = x.view(5, 3, -1, GROUP)
+    top = y.view(5, 3, -1, GROUP).amax(-1)
+    torch.testing.assert_close(top, grouped.amax(-1), atol=0, rtol=4e-3)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_packing_is_undone_exactly(bits):
+    codes = torch.randint(0, 1 << bits, (7, 64), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (7, 64 * bits // 8)
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+def test_a_constant_group_rounds_to_itself():
+    x = torch.full((2, 64), 3.25)
+    assert torch.equal(dequantize(*quantize(x, 4), 4), x)
+
+
+def test_precision_errors_equal_brute_force():
+    g = torch.Generator().manual_seed(0)
+    B, K, G, T, D, rows = 2, 2, 3, 20, 64, 6
+    q, k, v = (torch.randn(B, n, T, D, generator=g) for n in (K * G, K, K))
+    lens = torch.tensor([20, 13])
+    got = precision_errors(q, k, v, lens, [16, 8, 4], rows)
+    assert (got[:, 0] == 0).all() and (got[:, 1] < got[:, 2]).all()
+    for b, L in enumerate(lens.tolist()):
+        for h in range(K):
+            for j, bits in enumerate([8, 4]):
+                kb, vb = (dequantize(*quantize(t[b, h, :L], bits), bits) for t in (k, v))
+                total = 0.0
+                for i in range(L - rows, L):
+                    for head in range(h * G, (h + 1) * G):
+                        a = (q[b, head, i] @ k[b, h, :i + 1].T / math.sqrt(D)).softmax(-1)
+                        ab = (q[b, head, i] @ kb[:i + 1].T / math.sqrt(D)).softmax(-1)
+                        y = a @ v[b, h, :i + 1]
+                        total += float((a - ab).abs().sum() / 2)
+                        total += float((a @ (vb[:i + 1] - v[b, h, :i + 1])).norm() / y.norm())
+                assert got[b * K + h, j + 1].item() == pytest.approx(total / (rows * G), rel=1e-4)
+
+
+# --- The cache at every precision, against the rounded reference ------------------
+
+MENU = [Special() | Local(0.2), Frequent(0.2) | Local(0.2), baseline("tova", 0.3), Full()]
+BITS_CASES = {
+    # name: (policies, bits, options)
+    "menu 16/8/4": ([p for _ in range(3) for p in MENU], [b for b in (16, 8, 4) for _ in MENU],
+                    dict(budget=0.4)),
+    "h2o at 4": ([baseline("h2o", 0.4)], [4], {}),
+    "full at 8": ([Full()], [8], {}),
+    "full at 16": ([Full()], [16], {}),
+    "local at 2": ([Local(0.3)], [2], {}),
+}
+
+
+@pytest.mark.parametrize("name", BITS_CASES)
+@pytest.mark.parametrize("lens, n_heads, n_kv_heads", [([12, 20], 6, 2), ([20, 13, 15], 4, 1)])
+def test_cache_at_every_precision_equals_the_rounded_reference(name, lens, n_heads, n_kv_heads):
+    """Every step's output equals the reference's, which rounds each segment's
+    keys and values at its policy's precision, and holds the same tokens."""
+    policies, bits, options = BITS_CASES[name]
+    seed = len(lens) * 10 + n_kv_heads
+    g = torch.Generator().manual_seed(seed)
+    stream = torch.randint(0, 32, (len(lens), max(lens) + 30), generator=g)
+    flags = random_flags(32, seed, special=0.1, punct=0.25)
+    checked = drive(policies, 0.0, stream, lens, n_heads, n_kv_heads, 31, flags, seed=seed,
+                    head_dim=64, bits=bits, **options)
+    assert checked.steps == 30
+    cache = checked.cache
+    if len(set(bits)) > 1:
+        assert len(cache.pool.parts) > 1  # the budget took several precisions
+    for g in cache.pool.groups:
+        assert all(cache.bits[i] == g.bits for i in cache.choice[g.seg].tolist())
+
+
+@pytest.mark.parametrize("chunks", [[[1, 1], [5, 3], [1, 1], [4, 4], [1, 1]]])
+def test_chunks_choose_again_within_the_stored_precision(chunks):
+    policies, bits, _ = BITS_CASES["menu 16/8/4"]
+    stream = torch.randint(0, 32, (2, 40), generator=torch.Generator().manual_seed(1))
+    checked = drive(policies, 0.0, stream, [12, 20], 6, 2, 20, random_flags(32, 1), seed=1,
+                    head_dim=64, bits=bits, budget=0.4, chunks=chunks, rechoose=True, rows=4)
+    cache = checked.cache
+    for g in cache.pool.groups:  # a segment's new policy is one at the precision it holds
+        assert all(cache.bits[i] == g.bits for i in cache.choice[g.seg].tolist())
+
+
+class RoundedKVCache(KVCache):
+    """The dense cache, its keys and values rounded to float16 as they are
+    written; a prompt attends over its own, unrounded, as FastGen's prefill does."""
+
+    def forward(self, q, k, v, input_pos, tokens):
+        y = super().forward(q, k.half().float(), v.half().float(), input_pos, tokens)
+        prompt = q.shape[2] > 1 and int(input_pos.max()) + 1 == q.shape[2]
+        return causal_attention(q, k, v) if prompt else y
+
+
+def test_full_at_16_bits_matches_the_dense_cache_in_16_bits():
+    model = tiny_model()
+    a = model.args
+    lens, max_new = [9, 16], 12
+    prompts = prompts_of(lens, seed=3)
+    dense = [RoundedKVCache(2, a.n_kv_heads, max(lens) + max_new, a.head_dim)
+             for _ in model.layers]
+    full = fastgen_caches(model, [Full()], lens, max_new, random_flags(256, 0), bits=[16])
+    expected = greedy(model, prompts, dense, max_new)
+    got = greedy(model, prompts, full, max_new)
+    # The prompt attends at full precision in both; each decode step reads float16.
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert all(c.pool.k.dtype == c.pool.v.dtype == torch.float16 for c in full)
+
+
+@torch.no_grad()
+def test_bytes_held_are_those_reported_and_priced():
+    """A precision menu under a budget: nbytes counts every tensor the cache
+    holds, and each part's K and V take token_bytes a slot, the price the
+    budget pays."""
+    model = tiny_model(head_dim=64, dim=128, n_heads=2, n_kv_heads=2)
+    lens = [60, 45]
+    caches = fastgen_caches(model, [p for _ in range(3) for p in MENU], lens, 8,
+                            random_flags(256, 2), budget=0.3, bits=[16] * 4 + [8] * 4 + [4] * 4)
+    greedy(model, prompts_of(lens, seed=2), caches, 8)
+    seen = set()
+    for c in caches:
+        held = {name: t for name, t in c.named_buffers() if name not in ("prompt_lens",
+                                                                         "token_flags")}
+        assert c.nbytes() == sum(t.nbytes for t in held.values())
+        p = c.pool
+        for bits, first, n in p.parts:
+            seen.add(bits)
+            kv = sum(getattr(p, name).nbytes for name in pool.stored(bits))
+            assert kv == n * p.page * token_bytes(bits, 64)
+    assert len(seen) > 1
+
+
+def test_full_share_is_counted_against_16_bits():
+    model = tiny_model()
+    gen = generate(model, prompts_of([20], seed=1), 4, cache=CacheOptions("full", kv_bits=(4,)))
+    dense = generate(model, prompts_of([20], seed=1), 4)
+    assert gen.full_kv_bytes * 2 == dense.full_kv_bytes  # float32 model, 16-bit reference
+    assert gen.kv_bytes < gen.full_kv_bytes
+    assert "in 16 bits" in gen.summary()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_budget_over_precisions_equals_brute_force(seed):
+    """Menus of policies at several precisions, costs in bytes: the knapsack's
+    choice is the best that fits, found by trying every combination."""
+    g = torch.Generator().manual_seed(seed)
+    S, policies = 4, 3
+    tokens = torch.randint(1, 30, (S, policies), generator=g)
+    recovered = torch.rand(S, policies, generator=g)
+    units = [token_bytes(b, 64) for b in (16, 8, 4)]
+    costs = torch.cat([tokens * u for u in units], 1)  # (S, 3 * policies) bytes
+    values = torch.cat([recovered - e for e in (0.0, 0.01, 0.1)], 1)
+    budget = int(costs.float().mean(1).sum() * 0.6)
+    choice = fit_budget(values, costs, budget, resolution=1 << 20)
+    assert int(costs[torch.arange(S), choice].sum()) <= budget
+    best = max((sum(values[s, c].item() for s, c in enumerate(combo)), combo)
+               for combo in itertools.product(range(costs.shape[1]), repeat=S)
+               if sum(costs[s, c].item() for s, c in enumerate(combo)) <= budget)
+    got = sum(values[s, c].item() for s, c in enumerate(choice.tolist()))
+    assert got == pytest.approx(best[0], abs=1e-9)
