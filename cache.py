@@ -101,13 +101,16 @@ class FastGenCache(nn.Module):
     tensor parallel, `heads` (tp.Heads) shares the budget's tables among the
     ranks, so that the budget is the whole model's, as in one process. With
     `rechoose`, each chunk read chooses every segment's policy again (`choose_again`).
+    With `whole_model`, the budget is shared by every layer's heads (one knapsack
+    when all the layers decide together) instead of each layer's own.
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, threshold: float = 1.0, budget: float | None = None,
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
-                 heads=None, rechoose: bool = False, span: int = 1, bits=None):
+                 heads=None, rechoose: bool = False, span: int = 1, bits=None,
+                 whole_model: bool = False):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
@@ -116,6 +119,10 @@ class FastGenCache(nn.Module):
                              f"{len(policies)})")
         self.policies = list(policies)
         self.bits = None if bits is None else list(bits)
+        self.whole_model = whole_model
+        # This layer's share when choosing again: the budget's, or under a whole
+        # model's budget, what its heads took of it at the prompt.
+        self.share = budget
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
         self.span = span
@@ -292,7 +299,7 @@ class FastGenCache(nn.Module):
                 values, costs = self.heads.gather(values[None]), self.heads.gather(costs[None])
                 full = full * values.shape[1] // S
             choice = fit_budgets(values.view(1, -1, M), costs.view(1, -1, M),
-                                 [int(self.budget * full)])
+                                 [int(self.share * full)])
             choice = (choice if self.heads is None else self.heads.mine(choice))[0]
         self.choice = choice
         self.follow(choice.tolist())
@@ -459,7 +466,16 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
             values, costs = heads.gather(values), heads.gather(costs)
         full = (prompt.prompt_len[:recovery.shape[1]] + new).sum() * full_unit  # a layer's
         full = full * costs.shape[1] // recovery.shape[1]  # every rank's heads
-        picks = fit_budgets(values, costs, [int(caches[i].budget * full) for i in budgeted])
+        budgets = [int(caches[i].budget * full) for i in budgeted]
+        if caches[0].whole_model:  # one knapsack over every layer's heads
+            n, S = values.shape[:2]
+            picks = fit_budgets(values.reshape(1, n * S, M), costs.reshape(1, n * S, M),
+                                [sum(budgets)]).view(n, S)
+            spent = costs.gather(2, picks[..., None].to(costs.device)).sum((1, 2)).tolist()
+            for i, cost, b in zip(budgeted, spent, budgets):
+                caches[i].share = caches[i].budget * cost / max(b, 1)
+        else:
+            picks = fit_budgets(values, costs, budgets)
         for i, pick in zip(budgeted, picks if heads is None else heads.mine(picks)):
             caches[i].choice = pick
 
@@ -552,6 +568,7 @@ def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **
     if token_flags is None:  # no tokenizer at hand: Special then keeps only the first token
         token_flags = torch.zeros(model.args.vocab_size, dtype=torch.uint8)
     flags = token_flags.to(device)
-    pending = Pending(len(model.layers))
+    # A budget for the whole model needs every layer's prompt held until the last has come.
+    pending = Pending(len(model.layers), math.inf if options.get("whole_model") else HELD_BYTES)
     return [FastGenCache(policies, lens, max_new_tokens, model.args.n_kv_heads, flags,
                          pending=pending, **options) for _ in model.layers]

@@ -105,7 +105,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
          span: int = SPAN, sink_mass: str = "count", paper: bool = False,
          evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
-         kv_bits: tuple[int, ...] | None = None, save_plan: str | None = None,
+         kv_bits: tuple[int, ...] | None = None, budget_scope: str = "layer",
+         save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate.
@@ -124,7 +125,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
                          kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
                          span=span, sink_mass=sink_mass, paper=paper, evict_every=evict_every,
-                         prefill_chunk=prefill_chunk, rechoose=rechoose, kv_bits=kv_bits)
+                         prefill_chunk=prefill_chunk, rechoose=rechoose, kv_bits=kv_bits,
+                         budget_scope=budget_scope)
     device = tp.init(device)
     with tp.same_outcome():
         check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
@@ -329,6 +331,12 @@ def parse_args(argv=None):
                    "fastgen's budget mode only: every menu policy at every precision, each head's "
                    "chosen by profiling, --kv-budget then a share of the bytes of a full cache "
                    "stored in 16 bits; e.g. 16,8,4 (default: the model's dtype, no rounding)")
+    p.add_argument("--budget-scope", default="layer", choices=["layer", "model"],
+                   help="fastgen's budget mode: each layer's heads share --kv-budget of that "
+                   "layer's full cache (layer), or all the model's heads share it (model: the "
+                   "first and last layers may take more; every layer's prompt keys and values "
+                   "are then held until the last layer's come, which raises the prefill's "
+                   "peak) (default layer)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")

@@ -161,6 +161,7 @@ class CacheOptions:
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
     rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
     kv_bits: tuple[int, ...] | None = None  # compressed caches: precisions a head may store at
+    budget_scope: str = "layer"       # fastgen: the budget is each "layer"'s or the "model"'s
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
@@ -177,6 +178,8 @@ class CacheOptions:
              f"--hh-score must be mean or sum (got {self.hh_score!r})")
         need(self.sink_mass in ("count", "drop"),
              f"--sink-mass must be count or drop (got {self.sink_mass!r})")
+        need(self.budget_scope in ("layer", "model"),
+             f"--budget-scope must be layer or model (got {self.budget_scope!r})")
         need(self.span >= 1, f"--span must be 1 (each token its own score) or more "
              f"(got {self.span})")
         need(self.obs_window >= 0,
@@ -242,7 +245,8 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
         kw.update(threshold=0.95 if o.recovery is None else o.recovery)
     elif o.kv == "fastgen":
         policies = menu(o.r_local, o.r_frequent, o.hh_score)
-        kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget)
+        kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget,
+                  whole_model=o.budget_scope == "model")
         if o.kv_bits:  # every policy at every precision; Full too, where it saves bytes
             items = [(p, b) for b in o.kv_bits for p in policies + [Full()] * (b < 16)]
             policies, bits = map(list, zip(*items))

@@ -44,7 +44,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-from quant import dequantize, quantize, storage_dtype
+from quant import channel_factors, dequantize, quantize, storage_dtype
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments
 # in a group, N pages, P slots per page, C slots per segment in a group,
@@ -231,32 +231,45 @@ class Pool(nn.Module, abc.ABC):
         return next(f for b, f, _ in self.parts if b == bits), [
             g for g in self.groups if g.bits == bits]
 
-    def fill(self, k, v, rows, fields: dict, source):
+    def fill(self, k, v, rows, fields: dict, source, valid):
         """Slot i holds row rows[i] of k and v (B, K, T, D), read as the model lays
         them out, (B * T * K, D), and element source[i] of each of `fields`, flat
-        (an empty slot's keys and values are another token's, never attended to)."""
-        P, D = self.page, k.shape[-1]
+        (an empty slot's keys and values are another token's, never attended to).
+        valid (S, T): each segment's prompt tokens, whose keys set its channel
+        factors where a part rounds them (`quant.channel_factors`)."""
+        P, (B, K, T, D) = self.page, k.shape
         self.dtype = k.dtype  # what K and V are read back as
         for name in self.fields:
             if name in SLOT_FIELDS and name not in ("k", "v"):
                 self.register_buffer(name, fields[name].index_select(0, source).view(-1, P),
                                      persistent=False)
+        self.rounds_keys = any(b not in (None, 16) for b in self.precisions)
+        if self.rounds_keys:  # 1 for the segments of a part that does not round
+            factors = channel_factors(k.reshape(B * K, T, D), valid)
+            rounded = torch.tensor([g.bits not in (None, 16) for g in self.groups
+                                    for _ in g.rows], device=factors.device)
+            segs = torch.tensor([s for g in self.groups for s in g.rows], device=factors.device)
+            factors[segs[~rounded]] = 1.0
+            self.register_buffer("key_factors", factors, persistent=False)
+        slot_seg = self.owner.repeat_interleave(P)
         k, v = ((t.transpose(1, 2).reshape(-1, D).index_select(0, rows)) for t in (k, v))
         for bits, first, n in self.parts:
             at = slice(first * P, (first + n) * P)
-            for name, t in self.encode(bits, k[at], v[at]).items():
+            for name, t in self.encode(bits, k[at], v[at], slot_seg[at]).items():
                 t = self.keys(t) if name == "k" else t.view(-1, P, *t.shape[1:])
                 self.register_buffer(name, t, persistent=False)
         self.hide()
         self.mark_dynamic()
 
-    def encode(self, bits, k, v) -> dict:
-        """Rows of k and v (n, D) as a part of precision `bits` stores them, (n, ...) each."""
+    def encode(self, bits, k, v, seg) -> dict:
+        """Rows of k and v (n, D), of segments seg (n,), as a part of precision
+        `bits` stores them, (n, ...) each."""
         if bits is None:
             return dict(k=k, v=v)
         if bits == 16:
             dtype = storage_dtype(bits, self.dtype)
             return dict(k=k.to(dtype), v=v.to(dtype))
+        k = k / self.key_factors.index_select(0, seg)
         return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
 
     def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,9 +283,10 @@ class Pool(nn.Module, abc.ABC):
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (N, D, P) and V (N, P, D) of every part, in the model's dtype."""
         k, v = zip(*(self.read(bits) for bits in self.precisions))
-        if len(k) == 1:
-            return k[0], v[0]
-        return torch.cat(k), torch.cat(v)
+        k, v = (k[0], v[0]) if len(k) == 1 else (torch.cat(k), torch.cat(v))
+        if self.rounds_keys:  # each page's channels back to their size
+            k = k * self.key_factors.index_select(0, self.owner)[..., None].to(k.dtype)
+        return k, v
 
     # --- A decode step -----------------------------------------------------------
 
@@ -286,13 +300,15 @@ class Pool(nn.Module, abc.ABC):
         for i, bits in enumerate(self.precisions):
             if not self.part_rows:
                 rows, at = None, slot
+                seg = torch.arange(len(k), device=slot.device) // per
             else:
-                rows = getattr(self, f"rows{bits}")
-                if per > 1:
-                    rows = (rows[:, None] * per + torch.arange(per, device=rows.device)).view(-1)
+                seg = getattr(self, f"rows{bits}")
+                rows = seg if per == 1 else (
+                    seg[:, None] * per + torch.arange(per, device=seg.device)).view(-1)
+                seg = seg if per == 1 else seg.repeat_interleave(per)
                 at = slot.index_select(0, rows) - self.part_start[i]
             ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
-            for name, t in self.encode(bits, ks, vs).items():
+            for name, t in self.encode(bits, ks, vs, seg).items():
                 if name == "k":
                     self.write_key(at, t)
                 else:
@@ -440,7 +456,8 @@ class Pool(nn.Module, abc.ABC):
 
     def nbytes(self) -> int:
         """Bytes really held: the slots' fields and every index tensor."""
-        names = (*self.fields, *self.STATE, *self.part_rows)
+        names = (*self.fields, *self.STATE, *self.part_rows,
+                 *(["key_factors"] if self.rounds_keys else []))
         return sum(getattr(self, name).nbytes for name in names)
 
     def kept(self) -> int:
@@ -642,8 +659,9 @@ def fill_from_prompt(pools: list[Pool], fields: dict, keep, kvs: list[tuple]):
     S = LS // len(pools)
     seg, at = source % (S * T) // T, source % T
     rows = ((seg // K * T + at) * K + seg % K).split(sizes)
-    for p, (k, v), rows_i, source_i in zip(pools, kvs, rows, source.split(sizes)):
-        p.fill(k, v, rows_i, fields, source_i)
+    valid = (fields["pos"][:LS * T] >= 0).view(len(pools), S, T)
+    for p, (k, v), rows_i, source_i, valid_i in zip(pools, kvs, rows, source.split(sizes), valid):
+        p.fill(k, v, rows_i, fields, source_i, valid_i)
 
 
 def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from policies import Local, Policy, Slots, Union, shares
-from quant import dequantize, quantize
+from quant import channel_factors, dequantize, quantize
 
 # Prompt rows that measure what a precision costs when profiling reads every row.
 ERROR_ROWS = 32
@@ -215,12 +215,15 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None) ->
 
     a = attention(k)
     y = a @ v[:, :, None]  # (B, K, G, R, D)
+    prompt = (torch.arange(T, device=k.device) < lens[:, None]).repeat_interleave(K, 0)
+    factors = channel_factors(k.reshape(B * K, T, D), prompt).view(B, K, 1, D)
     weight = read[:, None, None].float()  # (B, 1, 1, R): the rows read
     n = (read.sum(1).clamp(min=1) * G)[:, None]  # (B, 1)
     for i, b in enumerate(bits):
         if b == 16:
             continue
-        kb, vb = (dequantize(*quantize(t, b), b) for t in (k, v))
+        kb = dequantize(*quantize(k / factors, b), b) * factors  # as the pool rounds them
+        vb = dequantize(*quantize(v, b), b)
         moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)
         changed = (a @ (vb - v)[:, :, None]).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-6)
         out[:, i] = (((moved + changed) * weight).sum((2, 3)) / n).view(-1)

@@ -13,6 +13,12 @@ per channel (KIVI) needs the tokens of a group together, a full-precision
 residue while a group fills, and its measured gain on this model's keys was
 small at 8 and 4 bits (README, "Precision").
 
+Keys first have each channel divided by a factor of its head's, the square
+root of the channel's largest magnitude over the prompt (`channel_factors`):
+a few key channels are far larger than the rest, and would otherwise set the
+scale of every group they fall in. The factors, one float32 per channel and
+head, are kept at full precision; values are rounded as they are.
+
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.
 """
@@ -27,6 +33,14 @@ import torch
 # bytes at 4 bits (README, "Precision").
 GROUP = 32
 BITS = (16, 8, 4, 2)
+
+
+def channel_factors(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(S, D) each head's key channel factors from its prompt's keys k (S, T, D),
+    valid (S, T) the real tokens: the square root of each channel's largest
+    magnitude (a measured choice: README, "Precision")."""
+    top = k.float().abs().masked_fill(~valid[..., None], 0).amax(1)
+    return top.clamp(min=1e-6).sqrt()
 
 
 def storage_dtype(bits: int, dtype: torch.dtype) -> torch.dtype:

@@ -368,18 +368,21 @@ def report(rows, meta, peer_error) -> str:
     ours = lambda f: f.startswith("fastgen")  # noqa: E731
     others = [f for f in dict.fromkeys(map(family, rows)) if f != "full" and not ours(f)]
     fastgen = {n: r for n, r in rows.items() if ours(family(n))}
+    # Against a 16-bit full cache (--precision), the shares where fewer bits matter.
+    shares = (0.125, 0.25, 0.5) if meta.get("reference_bits") else SHARES
     lines += ["\n## Every family at the same KV shares\n",
-              "Each family's points interpolated at allocated-byte shares 0.25, 0.5 and 0.75; "
+              f"Each family's points interpolated at allocated-byte shares "
+              f"{', '.join(map(str, shares[:-1]))} and {shares[-1]}; "
               "a share up to 0.03 beyond a family's last point takes that point's value (a dash: "
               "further). Passkey at the passkey runs' shares.\n",
-              "| family | " + " | ".join(f"{key} @{x}" for key, *_ in METRICS for x in SHARES) + " |",
-              "|---" * (1 + len(METRICS) * len(SHARES)) + "|"]
+              "| family | " + " | ".join(f"{key} @{x}" for key, *_ in METRICS for x in shares) + " |",
+              "|---" * (1 + len(METRICS) * len(shares)) + "|"]
     for f in dict.fromkeys(map(family, rows)):
         if f == "full":
             continue
         cells = [fmt(near([(r[share], r.get(key)) for n, r in rows.items()
                            if family(n) == f and r.get(share) is not None], x), key)
-                 for key, _, share, _ in METRICS for x in SHARES]
+                 for key, _, share, _ in METRICS for x in shares]
         lines.append(f"| {f} | " + " | ".join(cells) + " |")
     lines.append("\n## Equal memory: each fixed policy interpolated at FastGen's KV share\n")
     lines.append("A dash: that policy's points do not reach this share.\n")

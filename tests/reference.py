@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from quant import dequantize, quantize
+from quant import channel_factors, dequantize, quantize
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       Union)
 
@@ -177,7 +177,7 @@ class Reference:
         self.flags = [[self.token_flags[t] for t in tokens[b, :L].tolist()]
                       for b, L in enumerate(self.lens)]
         self.k, self.v, self.score, self.kept, self.policy = {}, {}, {}, {}, {}
-        self.first, self.prompt_keep = {}, {}
+        self.first, self.prompt_keep, self.factors = {}, {}, {}
         self.recovery = torch.zeros(B * K, len(self.policies), dtype=torch.float64)
         self.choice = []
         self.dropped = 0  # held tokens let go later, all segments together
@@ -200,7 +200,9 @@ class Reference:
                                    state.prompt_kept[s][i])
                     for i, p in enumerate(self.policies)])
                 self.choice.append(self.choose(self.recovery[s], state.choice[s]))
-                self.k[s], self.v[s] = self.rounded(s, kk), self.rounded(s, vv)
+                every = torch.ones(1, L, dtype=torch.bool)
+                self.factors[s] = channel_factors(k[b, h, None, :L], every)[0]
+                self.k[s], self.v[s] = self.rounded(s, kk, key=True), self.rounded(s, vv)
                 for i, p in enumerate(self.policies):
                     self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], colsum,
                                                   state.prompt_kept[s][i], first, last)
@@ -221,13 +223,16 @@ class Reference:
                                       cheapest + new * len(cost) * max(unit))
         return y
 
-    def rounded(self, s, x):
+    def rounded(self, s, x, key=False):
         """x (n, D) as segment s's precision stores and reads it, in float64."""
         b = None if self.bits is None else self.bits[self.choice[s]]
         if b is None:
             return x.double()
         if b == 16:
             return x.float().half().double()
+        if key:  # keys: each channel divided by its factor first
+            f = self.factors[s]
+            return (dequantize(*quantize(x.float() / f, b), b) * f).double()
         return dequantize(*quantize(x.float(), b), b).double()
 
     def choose(self, recovery, cache_choice):
@@ -266,7 +271,7 @@ class Reference:
         y = torch.zeros(H, D, dtype=torch.float64)
         for h in range(K):
             s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
-            self.k[s] = torch.cat([self.k[s], self.rounded(s, k[h, None])])  # (p + 1, D)
+            self.k[s] = torch.cat([self.k[s], self.rounded(s, k[h, None], key=True)])  # (p + 1, D)
             self.v[s] = torch.cat([self.v[s], self.rounded(s, v[h, None])])
             self.kept[s] = self.kept[s] | {p}
             mask = torch.zeros(p + 1, dtype=torch.bool)

@@ -13,7 +13,7 @@ from generation import CacheOptions, generate
 from model import KVCache, causal_attention
 from policies import Frequent, Full, Local, Special, baseline
 from profiling import fit_budget, precision_errors
-from quant import GROUP, dequantize, pack, quantize, token_bytes, unpack
+from quant import GROUP, channel_factors, dequantize, pack, quantize, token_bytes, unpack
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import drive
 from test_cache import greedy, prompts_of, random_flags, tiny_model
@@ -61,7 +61,9 @@ def test_precision_errors_equal_brute_force():
     for b, L in enumerate(lens.tolist()):
         for h in range(K):
             for j, bits in enumerate([8, 4]):
-                kb, vb = (dequantize(*quantize(t[b, h, :L], bits), bits) for t in (k, v))
+                f = k[b, h, :L].abs().amax(0).sqrt()  # each key channel's factor
+                kb = dequantize(*quantize(k[b, h, :L] / f, bits), bits) * f
+                vb = dequantize(*quantize(v[b, h, :L], bits), bits)
                 total = 0.0
                 for i in range(L - rows, L):
                     for head in range(h * G, (h + 1) * G):
@@ -194,3 +196,52 @@ def test_a_budget_over_precisions_equals_brute_force(seed):
                if sum(costs[s, c].item() for s, c in enumerate(combo)) <= budget)
     got = sum(values[s, c].item() for s, c in enumerate(choice.tolist()))
     assert got == pytest.approx(best[0], abs=1e-9)
+
+
+# --- A budget for the whole model ---------------------------------------------------
+
+@torch.no_grad()
+def test_a_whole_model_budget_is_one_knapsack_over_every_layer(monkeypatch):
+    """Every layer decides at once, in one knapsack whose budget is the sum of
+    the layers'; the layers' shares then differ, and average within the budget."""
+    import cache as cache_module
+    calls = []
+    real = cache_module.fit_budgets
+
+    def spy(values, costs, budgets, *args):
+        calls.append((values.shape, list(budgets)))
+        return real(values, costs, budgets, *args)
+
+    monkeypatch.setattr(cache_module, "fit_budgets", spy)
+    model = tiny_model()
+    lens = [30, 22]
+    policies = [p for _ in range(2) for p in MENU]
+    caches = fastgen_caches(model, policies, lens, 8, random_flags(256, 2), budget=0.4,
+                            bits=[16] * 4 + [4] * 4, whole_model=True)
+    greedy(model, prompts_of(lens, seed=5), caches, 8)
+    L, S = model.args.n_layers, len(lens) * model.args.n_kv_heads
+    assert len(calls) == 1
+    (shape, budgets), = calls
+    assert shape == (1, L * S, len(policies))
+    shares = [c.share for c in caches]
+    assert len(set(shares)) > 1
+    assert sum(shares) / L <= 0.4 + 1e-9
+    per_layer = fastgen_caches(model, policies, lens, 8, random_flags(256, 2), budget=0.4,
+                               bits=[16] * 4 + [4] * 4)
+    calls.clear()
+    greedy(model, prompts_of(lens, seed=5), per_layer, 8)
+    assert calls[0][0] == (L, S, len(policies)) and sum(calls[0][1]) == budgets[0]
+
+
+def test_channel_factors_keep_a_large_channel_from_setting_every_scale():
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 50, 64, generator=g)
+    k[..., 5] *= 40  # an outlier channel, as keys have
+    valid = torch.ones(2, 50, dtype=torch.bool)
+    valid[1, 40:] = False
+    k[1, 40:] = 1e4  # padding: must not count
+    f = channel_factors(k, valid)
+    assert f.shape == (2, 64) and f[1].max() < 100
+    plain = (dequantize(*quantize(k[:, :40], 4), 4) - k[:, :40]).norm()
+    scaled = (dequantize(*quantize(k[:, :40] / f[:, None], 4), 4) * f[:, None] - k[:, :40]).norm()
+    assert scaled < plain / 2
