@@ -69,8 +69,8 @@ class Chat:
 
     def __init__(self, model, tok, *, cache: CacheOptions = CacheOptions(), max_new_tokens=128,
                  compile=False, token_flags=None, sampling=None):
-        # The dense cache grows by CHUNK; a full cache in fewer bits is a compressed one's pool.
-        self.full = cache.kv == "full" and not cache.kv_bits
+        # The dense cache grows by CHUNK; a full cache in 8 bits or fewer is a compressed one's pool.
+        self.full = cache.kv == "full" and cache.kv_bits in (None, (16,))
         self.model, self.tok, self.cache = model, tok, cache
         self.max_new_tokens, self.compile = max_new_tokens, compile
         self.token_flags, self.sampling = token_flags, sampling or {}

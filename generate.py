@@ -303,7 +303,8 @@ def parse_args(argv=None):
                    "its prompt attention (with --paper, default 0.95)")
     p.add_argument("--kv-budget", type=float, help="fastgen (the default mode): each head "
                    "takes the policy of the menu that maximizes the layer's recovered attention "
-                   "with all heads within this share of a full cache's tokens (default 0.5); "
+                   "with all heads within this share of a full cache's tokens (with --kv-bits: "
+                   "of its bytes in 16 bits) (default 0.5); "
                    "local/sink/h2o/tova/snapkv: share of the prompt each head keeps (default 0.5)")
     p.add_argument("--paper", action="store_true", help="fastgen: the paper's literal method "
                    "(threshold mode, heavy hitters by summed attention, profiling over every "

@@ -22,7 +22,7 @@ from cache import fastgen_caches, reserve
 from pool import page_size
 from model import KVCache, Transformer
 from policies import Full, SnapKV, baseline, menu, shortlist, token_flags
-from quant import BITS
+from quant import BITS, storage_dtype
 
 KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 # FastGen's default span (`--span`, profiling.carried), chosen on the
@@ -219,17 +219,18 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     `kv_bits`: the precisions a compressed cache stores keys and values at
     (quant.py); several make FastGen's menu every policy at every precision
     (and Full at those below 16 bits), its budget a share of the bytes of a
-    full cache in 16 bits. `full` with `kv_bits` is a full cache at that
-    precision: a compressed cache whose every head keeps everything.
+    full cache in 16 bits. `full` at 16 bits is the dense cache stored in 16
+    bits; at fewer, a compressed cache whose every head keeps everything.
     """
     a, w, o = model.args, model.tok_embeddings.weight, options
-    if o.kv == "full" and o.kv_bits:
+    if o.kv == "full" and o.kv_bits and o.kv_bits != (16,):
         return fastgen_caches(model, [Full()], prompt_lens, max_new_tokens, token_flags,
                               bits=list(o.kv_bits), evict_every=o.evict_every,
                               eager=not compiled)
     if o.kv == "full":
         max_len = max(prompt_lens) + max_new_tokens
-        return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
+        dtype = storage_dtype(16, w.dtype) if o.kv_bits else w.dtype
+        return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, dtype, w.device)
                 for _ in model.layers]
     if o.paper:
         o = replace(o, hh_score="sum", obs_window=0, sink_mass="count", span=1,
@@ -387,7 +388,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
                      dense_kv_bytes(model, B, T + max_new_tokens, 16 if cache.kv_bits else None),
                      full_kv_bits=16 if cache.kv_bits else None)
     gen.interrupted = interrupted
-    if cache.kv != "full" or cache.kv_bits:
+    if not isinstance(caches[0], KVCache):  # a compressed cache (a full one in 8 bits too)
         K = model.args.n_kv_heads
         gen.kept_tokens = sum(c.kept() for c in caches)
         gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)

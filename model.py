@@ -181,7 +181,9 @@ class KVCache(nn.Module):
     """The dense cache: every token of every KV head, V as (B, K, S, D) and K
     transposed, (B, K, D, S) (see `attend`).
 
-    The exact reference that the compressed cache is measured against.
+    The exact reference that the compressed cache is measured against. Its
+    `dtype` may be narrower than the model's (float16 under a float32 model:
+    a full cache in 16 bits); it is then read back in the queries' dtype.
     Sequences in a batch write at their own positions, so prompts of
     different lengths need no padding mask: slot j of a sequence holds its
     token at position j, and a query at position p sees slots 0..p.
@@ -200,8 +202,8 @@ class KVCache(nn.Module):
         # Written by indexing, not scatter_: compiled code updates the buffer in
         # place only then (a scatter_ copied the whole cache every step, 2026-11-30).
         rows = torch.arange(B, device=k.device)[:, None]
-        self.k[rows, :, :, input_pos] = k.transpose(1, 2)  # (B, T, K, D) slots
-        self.v[rows, :, input_pos] = v.transpose(1, 2)
+        self.k[rows, :, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, K, D) slots
+        self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
         if T > 1:
             # The one host sync of this class, on multi-token calls only (never
             # while decoding): how far the buffer is filled decides what to read.
@@ -214,13 +216,15 @@ class KVCache(nn.Module):
             # in pieces): each query sees the slots up to its own position,
             # CHUNK_ROWS queries at a time (a masked attention holds its scores).
             visible = torch.arange(end, device=q.device) <= input_pos[..., None]  # (B, T, S)
-            keys, values = self.k[..., :end].transpose(2, 3), self.v[:, :, :end]
+            keys = self.k[..., :end].transpose(2, 3).to(q.dtype)
+            values = self.v[:, :, :end].to(q.dtype)
             return torch.cat([F.scaled_dot_product_attention(
                 q[:, :, i:i + CHUNK_ROWS], keys, values, enable_gqa=q.shape[1] != K,
                 attn_mask=visible[:, None, i:i + CHUNK_ROWS]) for i in range(0, T, CHUNK_ROWS)], 2)
         slots = torch.arange(self.v.shape[2], device=q.device)
         visible = (slots[None, :] <= input_pos)[:, None, None, :]  # (B, 1, 1, S)
-        y, _ = attend(q.view(B, K, -1, D), self.k, self.v, visible)  # (B, K, G, D)
+        k, v = self.k.to(q.dtype), self.v.to(q.dtype)  # a no-op unless stored narrower
+        y, _ = attend(q.view(B, K, -1, D), k, v, visible)  # (B, K, G, D)
         return y.view(q.shape)
 
     def reserve(self):

@@ -79,9 +79,12 @@ def test_same_seed_same_sample(tiny_ckpt):
      "give one of them"),
     (["--prompt", "hi", "--kv", "fastgen", "--obs-window", "-1"], 2, "--obs-window"),
     (["--prompt", "hi", "--prefill-chunk", "0"], 2, "--prefill-chunk"),
+    (["--prompt", "hi", "--kv", "h2o", "--kv-bits", "3"], 2, "--kv-bits"),
+    (["--prompt", "hi", "--kv", "h2o", "--kv-bits", "16,8"], 2, "budget mode"),
+    (["--prompt", "hi", "--kv", "fastgen", "--kv-bits", "eight"], 2, "--kv-bits"),
 ])
 def test_cli_usage_errors(tiny_ckpt, capsys, args, status, words):
-    if "nope" in args:  # argparse's own check
+    if "nope" in args or "eight" in args:  # argparse's own check
         with pytest.raises(SystemExit) as e:
             cli(["--ckpt", str(tiny_ckpt), *args])
         assert e.value.code == status

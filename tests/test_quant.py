@@ -9,8 +9,7 @@ import torch
 
 import pool
 from cache import fastgen_caches
-from generation import CacheOptions, generate
-from model import KVCache, causal_attention
+from generation import CacheOptions, generate, make_caches
 from policies import Frequent, Full, Local, Special, baseline
 from profiling import fit_budget, precision_errors
 from quant import GROUP, channel_factors, dequantize, pack, quantize, token_bytes, unpack
@@ -120,29 +119,25 @@ def test_chunks_choose_again_within_the_stored_precision(chunks):
         assert all(cache.bits[i] == g.bits for i in cache.choice[g.seg].tolist())
 
 
-class RoundedKVCache(KVCache):
-    """The dense cache, its keys and values rounded to float16 as they are
-    written; a prompt attends over its own, unrounded, as FastGen's prefill does."""
-
-    def forward(self, q, k, v, input_pos, tokens):
-        y = super().forward(q, k.half().float(), v.half().float(), input_pos, tokens)
-        prompt = q.shape[2] > 1 and int(input_pos.max()) + 1 == q.shape[2]
-        return causal_attention(q, k, v) if prompt else y
-
-
 def test_full_at_16_bits_matches_the_dense_cache_in_16_bits():
+    """FastGen's Full at 16 bits against the dense cache stored in float16
+    (`--kv full --kv-bits 16`), under a float32 model: the same greedy tokens,
+    logits equal up to float32 rounding."""
     model = tiny_model()
-    a = model.args
     lens, max_new = [9, 16], 12
     prompts = prompts_of(lens, seed=3)
-    dense = [RoundedKVCache(2, a.n_kv_heads, max(lens) + max_new, a.head_dim)
-             for _ in model.layers]
+    dense = make_caches(model, CacheOptions("full", kv_bits=(16,)), lens, max_new)
+    assert all(c.k.dtype == c.v.dtype == torch.float16 for c in dense)
     full = fastgen_caches(model, [Full()], lens, max_new, random_flags(256, 0), bits=[16])
     expected = greedy(model, prompts, dense, max_new)
     got = greedy(model, prompts, full, max_new)
     # The prompt attends at full precision in both; each decode step reads float16.
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert all(c.pool.k.dtype == c.pool.v.dtype == torch.float16 for c in full)
+    exact = greedy(model, prompts, make_caches(model, CacheOptions("full"), lens, max_new),
+                   max_new)
+    assert not torch.equal(got, exact)  # float16 is not float32
 
 
 @torch.no_grad()
@@ -245,3 +240,37 @@ def test_channel_factors_keep_a_large_channel_from_setting_every_scale():
     plain = (dequantize(*quantize(k[:, :40], 4), 4) - k[:, :40]).norm()
     scaled = (dequantize(*quantize(k[:, :40] / f[:, None], 4), 4) * f[:, None] - k[:, :40]).norm()
     assert scaled < plain / 2
+
+
+def test_parts_of_several_precisions_grow_and_compile_once():
+    """A pool with a 16-bit and a 4-bit part, growing as Full heads fill: the
+    compiled step compiles once, growths included, and equals eager decoding."""
+    import torch._dynamo
+    from test_cache import first_token, fresh_compile
+    model = tiny_model(seed=1)
+    lens, max_new = [9, 14], 30
+    prompts = prompts_of(lens, seed=7)
+    options = dict(page=4, evict_every=3, budget=0.8, bits=[16, 4])
+
+    def caches():
+        return fastgen_caches(model, [Full(), Full()], lens, max_new, None, **options)
+
+    eager = caches()
+    expected = greedy(model, prompts, eager, max_new).argmax(-1)
+    assert any(len(c.pool.parts) == 2 for c in eager)
+    step, counters = fresh_compile()
+    compiled = caches()
+    with torch.no_grad():
+        model.setup_caches(compiled)
+        cur, lens_t = first_token(model, prompts)
+        out = [cur]
+        for i in range(max_new - 1):
+            for c in compiled:
+                c.reserve()
+            cur = step(model, cur, lens_t[:, None] + i)
+            out.append(cur)
+        model.setup_caches(None)
+    assert torch.equal(torch.cat(out, 1), expected)
+    assert sum(c.growths() for c in compiled) >= 2
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch._dynamo.reset()
