@@ -4,6 +4,7 @@
     python -m studies.bench --compile none --runs 5 --out results/bench/bench.md
     python -m studies.bench --device cuda --dtype bfloat16 --compile-mode reduce-overhead
     python -m studies.bench --quick --ckpt TINY_CHECKPOINT # a smoke test, seconds
+    python -m studies.bench --kv full@16 fastgen@16/8/4:0.25   # keys and values in fewer bits
 
 On the same checkpoint, in one process, with the same torch threads, it times
 HF `generate` (greedy, never stopping early, its DynamicCache) and our
@@ -314,19 +315,19 @@ def check_device_args(args) -> None:
                                 backend=args.compile_backend)
 
 
-def check_kv(specs) -> None:
-    """UsageError (one line) for a --kv entry that names no cache."""
+def kv_error(specs) -> str | None:
+    """What is wrong with the first --kv entry that names no cache, in one line."""
     for spec in specs:
         try:
             cache_options(spec).check()
         except ValueError as e:
-            raise gen.UsageError(f"--kv {spec}: {e}; write KIND[@B[/B...]][:BUDGET], e.g. "
-                                 "fastgen@16/8/4:0.25") from None
+            return (f"--kv {spec}: {e}; write KIND[@B[/B...]][:BUDGET], e.g. "
+                    "fastgen@16/8/4:0.25")
+    return None
 
 
 def bench(args) -> str:
     """Run every measurement; return the markdown report."""
-    check_kv(args.kv)
     from policies import token_flags
     from tokenizer import Tokenizer, TokenizerError
 
@@ -488,6 +489,8 @@ def parse_args(argv=None):
                 "and --threads >= 1")
     if args.out and not (Path(args.out).parent.is_dir() and not Path(args.out).is_dir()):
         p.error(f"--out {args.out}: give a file in an existing folder")
+    if kv_error(args.kv):
+        p.error(kv_error(args.kv))
     check_device_args(args)
     from convert_gguf import checkpoint_folder
     args.ckpt = checkpoint_folder(args.ckpt)

@@ -45,3 +45,15 @@ def test_bench_prompt_longer_than_context(tiny_ckpt):
     r = bench("--ckpt", tiny_ckpt, "--prompt-len", 250, "--idle-wait", 0)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "exceeds the model's context of 256 tokens" in r.stderr.strip().splitlines()[-1]
+
+
+def test_kv_specs_name_a_cache_or_fail_in_one_line(tiny_ckpt):
+    from generation import CacheOptions
+    from studies.bench import cache_options
+    assert cache_options("full@16") == CacheOptions("full", kv_bits=(16,))
+    assert cache_options("fastgen@16/8/4:0.25") == CacheOptions("fastgen", kv_budget=0.25,
+                                                                 kv_bits=(16, 8, 4))
+    assert cache_options("h2o") == CacheOptions("h2o")
+    r = bench("--ckpt", str(tiny_ckpt), "--quick", "--kv", "h2o@16/8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--kv h2o@16/8: several --kv-bits" in r.stderr.strip().splitlines()[-1]
