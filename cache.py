@@ -45,7 +45,7 @@ from model import causal_attention
 from policies import Full, Policy, Slots
 from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
                        precision_errors, prompt_slots, recoveries)
-from quant import token_bytes
+from quant import rounds, token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
@@ -412,7 +412,7 @@ def decide(caches: list[FastGenCache]):
                          "options and max_new_tokens")
     prompt, recovery = first.from_sums(profile_layers(caches), first.held[3], first.sink,
                                        layers=len(caches))
-    if first.bits is not None and set(first.bits) - {16}:
+    if first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
         q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
         kinds = sorted(set(first.bits))

@@ -44,7 +44,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-from quant import channel_factors, dequantize, quantize, storage_dtype
+from quant import channel_factors, dequantize, quantize, rounds, storage_dtype
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments
 # in a group, N pages, P slots per page, C slots per segment in a group,
@@ -80,7 +80,7 @@ def stored(bits: int | None) -> list[str]:
     """The tensors a part of precision `bits` keeps its K and V in: "k" and "v"
     unquantized (None: in the model's dtype; 16: in 16 bits), else codes,
     scales and minima."""
-    if bits in (None, 16):
+    if not rounds(bits):
         return ["k", "v"]
     return [f"{x}{bits}{part}" for x in "kv" for part in ("", "_scale", "_low")]
 
@@ -168,8 +168,8 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
               n == "last" and reads_last}
     fields.update({n: 0 for b in precisions for n in stored(b)})
     slots = sum(len(g.rows) * g.pages for g in groups) * page
-    masked = eager and precisions in ([None], [16]) and attends_masked(len(choice), heads_per_kv,
-                                                                       slots)
+    masked = eager and len(precisions) == 1 and not rounds(precisions[0]) and attends_masked(
+        len(choice), heads_per_kv, slots)
     return (MaskedPool if masked else PagedPool)(groups, page, every, fields, len(choice), device)
 
 
@@ -227,9 +227,8 @@ class Pool(nn.Module, abc.ABC):
         K and V hold its own groups' pages, the other fields every page."""
         if name in SLOT_FIELDS and name not in ("k", "v"):
             return 0, self.groups
-        bits = next(b for b, _, _ in self.parts if name in stored(b))
-        return next(f for b, f, _ in self.parts if b == bits), [
-            g for g in self.groups if g.bits == bits]
+        bits, first = next((b, f) for b, f, _ in self.parts if name in stored(b))
+        return first, [g for g in self.groups if g.bits == bits]
 
     def fill(self, k, v, rows, fields: dict, source, valid):
         """Slot i holds row rows[i] of k and v (B, K, T, D), read as the model lays
@@ -243,13 +242,10 @@ class Pool(nn.Module, abc.ABC):
             if name in SLOT_FIELDS and name not in ("k", "v"):
                 self.register_buffer(name, fields[name].index_select(0, source).view(-1, P),
                                      persistent=False)
-        self.rounds_keys = any(b not in (None, 16) for b in self.precisions)
+        self.rounds_keys = any(map(rounds, self.precisions))
         if self.rounds_keys:  # 1 for the segments of a part that does not round
             factors = channel_factors(k.reshape(B * K, T, D), valid)
-            rounded = torch.tensor([g.bits not in (None, 16) for g in self.groups
-                                    for _ in g.rows], device=factors.device)
-            segs = torch.tensor([s for g in self.groups for s in g.rows], device=factors.device)
-            factors[segs[~rounded]] = 1.0
+            factors[[s for g in self.groups if not rounds(g.bits) for s in g.rows]] = 1.0
             self.register_buffer("key_factors", factors, persistent=False)
         slot_seg = self.owner.repeat_interleave(P)
         k, v = ((t.transpose(1, 2).reshape(-1, D).index_select(0, rows)) for t in (k, v))
@@ -262,19 +258,17 @@ class Pool(nn.Module, abc.ABC):
         self.mark_dynamic()
 
     def encode(self, bits, k, v, seg) -> dict:
-        """Rows of k and v (n, D), of segments seg (n,), as a part of precision
-        `bits` stores them, (n, ...) each."""
-        if bits is None:
-            return dict(k=k, v=v)
-        if bits == 16:
-            dtype = storage_dtype(bits, self.dtype)
+        """Rows of k and v (n, D), of segments seg (n,; read only when rounding),
+        as a part of precision `bits` stores them, (n, ...) each."""
+        if not rounds(bits):  # the model's dtype (a no-op) or 16 bits
+            dtype = self.dtype if bits is None else storage_dtype(bits, self.dtype)
             return dict(k=k.to(dtype), v=v.to(dtype))
         k = k / self.key_factors.index_select(0, seg)
         return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
 
     def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
         """A part's K as (n, D, P) and V as (n, P, D) pages, in the model's dtype."""
-        if bits in (None, 16):
+        if not rounds(bits):
             return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
         codes = [getattr(self, name) for name in stored(bits)]
         k = dequantize(*codes[:3], bits, self.dtype)  # (n, P, D)
@@ -298,16 +292,16 @@ class Pool(nn.Module, abc.ABC):
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, flags)
         for i, bits in enumerate(self.precisions):
-            if not self.part_rows:
+            if not self.part_rows:  # one part: every row, in order
                 rows, at = None, slot
-                seg = torch.arange(len(k), device=slot.device) // per
+                segs = torch.arange(len(k) // per, device=slot.device) if rounds(bits) else None
             else:
-                seg = getattr(self, f"rows{bits}")
-                rows = seg if per == 1 else (
-                    seg[:, None] * per + torch.arange(per, device=seg.device)).view(-1)
-                seg = seg if per == 1 else seg.repeat_interleave(per)
+                segs = getattr(self, f"rows{bits}")
+                rows = segs if per == 1 else (
+                    segs[:, None] * per + torch.arange(per, device=segs.device)).view(-1)
                 at = slot.index_select(0, rows) - self.part_start[i]
             ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
+            seg = segs if per == 1 or segs is None else segs.repeat_interleave(per)
             for name, t in self.encode(bits, ks, vs, seg).items():
                 if name == "k":
                     self.write_key(at, t)

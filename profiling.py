@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from policies import Local, Policy, Slots, Union, shares
-from quant import channel_factors, dequantize, quantize
+from quant import channel_factors, dequantize, quantize, rounds
 
 # Prompt rows that measure what a precision costs when profiling reads every row.
 ERROR_ROWS = 32
@@ -220,7 +220,7 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None) ->
     weight = read[:, None, None].float()  # (B, 1, 1, R): the rows read
     n = (read.sum(1).clamp(min=1) * G)[:, None]  # (B, 1)
     for i, b in enumerate(bits):
-        if b == 16:
+        if not rounds(b):
             continue
         kb = dequantize(*quantize(k / factors, b), b) * factors  # as the pool rounds them
         vb = dequantize(*quantize(v, b), b)

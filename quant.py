@@ -43,6 +43,12 @@ def channel_factors(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return top.clamp(min=1e-6).sqrt()
 
 
+def rounds(bits: int | None) -> bool:
+    """Whether a precision rounds to codes (8, 4, 2), rather than storing in
+    16 bits or the model's dtype (None)."""
+    return bits not in (None, 16)
+
+
 def storage_dtype(bits: int, dtype: torch.dtype) -> torch.dtype:
     """The dtype a 16-bit head stores in for a model computing in `dtype`."""
     return dtype if dtype.itemsize == 2 else torch.float16
