@@ -271,20 +271,30 @@ def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent,
 # --- The peer: NVIDIA kvpress, in its own environment -------------------------
 
 PRESSES = ("StreamingLLMPress", "SnapKVPress", "TOVAPress", "ExpectedAttentionPress")
+# With --precision: HF's quanto QuantizedCache at these bits, alone and under these presses
+QUANT_BITS, QUANT_PRESSES = (4, 2), ("SnapKVPress", "ExpectedAttentionPress")
 
 
-def run_peer(python, ckpt, windows, n_new, cases, passkey_tokens, budgets, batch, threads) -> dict:
+def run_peer(python, ckpt, windows, n_new, cases, passkey_tokens, budgets, batch, threads,
+             precision=False) -> dict:
     """Run peer_kvpress.py under `python` (a venv with kvpress) on the same
-    windows and passkey cases; its rows, or {"error": why it could not run}."""
+    windows and passkey cases; its rows, or {"error": why it could not run}.
+    With `precision`, also HF's quantized cache, and bytes as a 16-bit model's."""
+    quant = dict(float_bits=16, quant_bits=QUANT_BITS, quant_presses=QUANT_PRESSES)
+    return run_peer_job(python, dict(
+        ckpt=str(ckpt), windows=windows, new_tokens=n_new, passkey_tokens=passkey_tokens,
+        cases=[[ids, key] for ids, key in cases], presses=PRESSES, batch=batch, threads=threads,
+        ratios=[round(1 - b, 6) for b in budgets], **(quant if precision else {})))
+
+
+def run_peer_job(python, job: dict) -> dict:
+    """Run peer_kvpress.py under `python` on `job`; what it wrote, or {"error": why}."""
     with tempfile.TemporaryDirectory() as tmp:
-        job, result = Path(tmp, "job.json"), Path(tmp, "result.json")
-        job.write_text(json.dumps(dict(
-            ckpt=str(ckpt), windows=windows, new_tokens=n_new, passkey_tokens=passkey_tokens,
-            cases=[[ids, key] for ids, key in cases], presses=PRESSES, batch=batch, threads=threads,
-            ratios=[round(1 - b, 6) for b in budgets])))
+        path, result = Path(tmp, "job.json"), Path(tmp, "result.json")
+        path.write_text(json.dumps(job))
         script = Path(__file__).with_name("peer_kvpress.py")
         try:  # its progress bars go to our stderr; it writes its own errors into `result`
-            done = subprocess.run([python, str(script), str(job), str(result)])
+            done = subprocess.run([python, str(script), str(path), str(result)])
         except OSError as e:
             return {"error": f"cannot start {python}: {e}"}
         if not result.is_file():
@@ -413,6 +423,14 @@ def report(rows, meta, peer_error) -> str:
                   f"{i['torch']}, its own venv) on the same prompts; `kvpress:X b=B` is press X at "
                   "compression_ratio 1 - B, prompt compressed once after prefill. `full (kvpress)` "
                   "is its uncompressed cache, its reference for KL and top-1."]
+        if any(n.startswith("hf-quanto") or "+hf-quanto" in n for n in rows):
+            lines += ["`hf-quanto@B` is HF transformers' `QuantizedCache` (quanto backend, B "
+                      "bits, its defaults: groups of 64, keys and values grouped per token, the "
+                      "last 128 tokens unquantized); `hf-quanto-kivi@B` groups keys per channel "
+                      "over 64 tokens as KIVI does; `kvpress:X+hf-quanto@B` is press X on that "
+                      "cache. The peer's model computes in float32; its bytes count every "
+                      "floating tensor (keys, values, scales, shifts) at 16 bits, integer codes "
+                      "as stored."]
         lines += [f"- {name} did not run: {why}" for name, why in i["failed"].items()]
         lines += [f"- {name} is not in this kvpress" for name in i["presses_missing"]]
     if peer_error:
@@ -425,7 +443,8 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     families = list(dict.fromkeys(map(family, rows)))
-    colors = dict(zip(families, plt.get_cmap("tab10").colors * 2))
+    palette = plt.get_cmap("tab20").colors
+    colors = {f: palette[i % len(palette)] for i, f in enumerate(families)}
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     for ax, (key, title, share, _) in zip(axes.flat, METRICS):
         for f in families:
@@ -434,7 +453,7 @@ def plot(rows, path):
             if pts and not (key == "kl" and f == "full"):  # KL 0 has no place on a log axis
                 ax.plot(*zip(*pts), color=colors[f], label=f, marker="*" if f == "full" else "o",
                         ms=12 if f == "full" else 4, lw=2.5 if f.startswith("fastgen") else 1,
-                        ls="--" if f.startswith("kvpress") else "-")
+                        ls="--" if f.startswith(("kvpress", "hf-")) else "-")
         ax.set(title=title, xlabel="KV bytes allocated / full cache")
         ax.set_yscale("log" if key in ("kl", "ppl") else "linear")
         ax.grid(alpha=0.3)
@@ -503,12 +522,13 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     ours_s, peer_error = time.perf_counter() - t0, None
     if peer == "kvpress":
         got = run_peer(peer_python, ckpt, texts, new_tokens, cases, passkey_tokens, budgets, batch,
-                       torch.get_num_threads())
+                       torch.get_num_threads(), precision)
         peer_error = got.get("error")
         for name, r in got.get("rows", {}).items():
             ids = r.pop("pk_tokens")
-            r.update(pk_acc=sum(answer_ok(tok, t, key) for t, (_, key) in zip(ids, cases)) / len(cases),
-                     pk_answers=[tok.decode(t) for t in ids])
+            if ids is not None:  # None: it could not run on the passkey prompts
+                r.update(pk_acc=sum(answer_ok(tok, t, key) for t, (_, key) in zip(ids, cases))
+                         / len(cases), pk_answers=[tok.decode(t) for t in ids])
             rows[name] = r
     if peer_rows:  # an earlier run's kvpress rows, on the same windows and cases
         earlier = json.loads(Path(peer_rows).read_text())

@@ -386,6 +386,36 @@ def run_cases(model, tok, cases: list[Case], cfgs: list[Config], readings, flags
     return res
 
 
+# --- The peer: NVIDIA kvpress, in its own environment -----------------------------------
+
+PEER_PRESSES = ("StreamingLLMPress", "SnapKVPress", "TOVAPress", "ExpectedAttentionPress",
+                "KeyDiffPress")  # the default; KVzipPress runs too, at about 3 prefills a case
+
+
+def peer_cases(python, ckpt, tok, cases: list[Case], readings, budgets, batch: int,
+               threads: int, presses=PEER_PRESSES) -> tuple[dict, dict]:
+    """kvpress's presses at compression ratio 1 - budget on the same cases and
+    readings (studies/peer_kvpress.py under `python`, a venv with kvpress):
+    run_cases' results for its configurations, and what it says of itself
+    ({"error": why} when it could not run)."""
+    got = evaluate.run_peer_job(python, dict(
+        ckpt=str(ckpt), presses=list(presses), ratios=[round(1 - b, 6) for b in budgets],
+        batch=batch, threads=threads, readings=list(readings),
+        longctx_cases=[dict(context=c.context, question=c.question, n=c.n_new) for c in cases]))
+    if "error" in got:
+        return {}, got
+    res = {}
+    for rd, by_name in got["cases"].items():
+        for name, r in by_name.items():
+            if any(a is None for a in r["answers"]):  # it failed on some batch: in info
+                continue
+            answers = [answer_text(tok, a[:c.n_new]) for a, c in zip(r["answers"], cases)]
+            res.setdefault(rd, {})[name] = dict(
+                answers=answers, scores=[answer_score(a, c.answers) for a, c in zip(answers, cases)],
+                bytes=r["bytes"], full_bytes=r["full_bytes"])
+    return res, got["info"]
+
+
 # --- Report ---------------------------------------------------------------------------
 
 def summarize(res: dict, cases: list[Case]) -> dict:
@@ -450,6 +480,19 @@ def report(results: dict, kl: dict, meta: dict) -> str:
                              + " | ".join(fmt(r["scores"][t]) for t in tasks)
                              + f" | {fmt(r['average'])} |")
             lines.append("")
+    for length, info in (m.get("peer_info") or {}).items():
+        if "error" in info:
+            lines += [f"kvpress could not run at {length} tokens:\n", "```", info["error"].strip(),
+                      "```\n"]
+            continue
+        lines += [f"Peer at {length} tokens: kvpress {info['kvpress']} (transformers "
+                  f"{info['transformers']}, torch {info['torch']}, its own venv) on the same "
+                  "cases and readings; `kvpress:X b=B` is press X at compression_ratio 1 - B, "
+                  "the prompt (`agnostic`: the context) compressed once after its prefill; "
+                  "`full (kvpress)` is its uncompressed cache."]
+        lines += [f"- {name} did not run: {why}" for name, why in info["failed"].items()]
+        lines += [f"- {name} is not in this kvpress" for name in info["presses_missing"]]
+        lines.append("")
     if kl:
         lengths = list(kl)
         lines += ["## Teacher-forced text quality\n",
@@ -485,7 +528,8 @@ def plot(results: dict, path: Path) -> str | None:
     fig, axes = plt.subplots(len(readings), len(lengths), squeeze=False,
                              figsize=(4.5 * len(lengths), 3.8 * len(readings)))
     families = list(dict.fromkeys(family(n) for n in results[lengths[0]][readings[0]]["rows"]))
-    colors = dict(zip(families, plt.get_cmap("tab10").colors))
+    palette = plt.get_cmap("tab20").colors
+    colors = {f: palette[i % len(palette)] for i, f in enumerate(families)}
     for i, rd in enumerate(readings):
         for j, length in enumerate(lengths):
             ax, rows = axes[i, j], results[length][rd]["rows"]
@@ -496,7 +540,8 @@ def plot(results: dict, path: Path) -> str | None:
                 if pts:
                     ax.plot(*zip(*pts), color=colors[f], label=f,
                             marker="*" if f == "full" else "o", ms=12 if f == "full" else 4,
-                            lw=2.5 if f.startswith("fastgen") else 1)
+                            lw=2.5 if f.startswith("fastgen") else 1,
+                            ls="--" if f.startswith("kvpress") else "-")
             ax.set(title=f"{length} tokens, {rd}" + ("" if key == "average" else
                                                              " (every task under the floor)"),
                    xlabel="KV bytes allocated / full cache",
@@ -529,7 +574,8 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
          thresholds=(0.9,), kl_lengths=None, kl_windows=None, kl_tokens=None,
          text: str = "pydoc", chat: bool = False, batch_tokens: int = 32768, r_local: float = 0.3,
          r_frequent: float = 0.3, seed: int = 0, threads: int | None = None,
-         span: int | None = None,
+         span: int | None = None, peer: str | None = None,
+         peer_python: str = "/tmp/kvp/bin/python", peer_presses=PEER_PRESSES,
          command: str | None = None) -> dict:
     """Run the tasks and the text quality; write OUT.json, OUT.md and OUT.png and
     return {"results": {length: {reading: {"rows", "excluded"}}}, "text", "meta"}.
@@ -553,13 +599,13 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
     cfgs = method_configs(methods, budgets, thresholds, span)
     context = model.args.max_seq_len
     longest_answer = max(NEW_TOKENS[t] for t in tasks)
-    notes, results, raw, parts, kl = [], {}, {}, {}, {}
+    notes, results, raw, parts, kl, peer_info = [], {}, {}, {}, {}, {}
     # What each part's save writes until the run ends (a long run's results so far).
     partial_meta = dict(command=(command or "python -m studies.longctx") + " (not finished)",
                         model=Path(ckpt).name if ckpt else "SmolLM2-135M-Instruct", text=text,
                         format="ChatML" if chat else "plain", cases=cases, seed=seed,
                         tasks=list(tasks), kl_windows=kl_windows, kl_tokens=kl_tokens,
-                        notes=notes, complete=False)
+                        notes=notes, peer_info=peer_info, complete=False)
     for length in tqdm(lengths, desc="lengths"):
         L = min(length, context - longest_answer)
         if L < length:
@@ -572,6 +618,14 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
         todo = [c for task in tasks for c in make_cases(tok, hay, task, L, cases, seed, chat)]
         res = run_cases(model, tok, todo, cfgs, readings, flags, batch, r_local, r_frequent,
                         desc=f"batches @{L}")
+        if peer == "kvpress":
+            if ckpt is None:
+                from convert_gguf import default_checkpoint
+                ckpt = default_checkpoint()
+            got, peer_info[str(L)] = peer_cases(peer_python, ckpt, tok, todo, readings, budgets,
+                                                batch, torch.get_num_threads(), peer_presses)
+            for rd, rows in got.items():
+                res[rd] |= rows
         results[str(L)] = summarize(res, todo)
         raw[str(L)] = {rd: {n: [dict(task=c.task, required=c.answers, answer=a, score=s)
                                 for c, a, s in zip(todo, r["answers"], r["scores"])]
@@ -597,7 +651,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
         budgets=list(budgets), thresholds=list(thresholds), r_local=r_local,
         r_frequent=r_frequent, span=span, kl_windows=kl_windows, kl_tokens=kl_tokens,
         runtime_s=time.perf_counter() - t0, runtime_by_part_s=parts, notes=notes,
-        complete=True), chat)
+        peer_info=peer_info, complete=True), chat)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     return dict(results=results, text=kl, meta=meta)
@@ -702,6 +756,17 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the cases and windows (default 0)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 "
                    "leaves the other core to other work")
+    p.add_argument("--peer", choices=["kvpress"], help="also NVIDIA kvpress's presses ("
+                   + ", ".join(x[:-5] for x in PEER_PRESSES) + ") at compression ratio 1 - "
+                   "budget on the same cases and readings, in their own venv (see --peer-python)")
+    p.add_argument("--peer-presses", nargs="+", default=list(PEER_PRESSES), metavar="PRESS",
+                   help="kvpress classes to run with --peer (default " + " ".join(PEER_PRESSES)
+                   + "; KVzipPress also runs, one prompt at a time, with a second pass over "
+                   "the context: about 3 prefills a case and budget)")
+    p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
+                   help="python of a venv with kvpress: python -m venv /tmp/kvp && "
+                        "/tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5 (default "
+                        "/tmp/kvp/bin/python)")
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
