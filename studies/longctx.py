@@ -411,7 +411,8 @@ def peer_cases(python, ckpt, tok, cases: list[Case], readings, budgets, batch: i
                 continue
             answers = [answer_text(tok, a[:c.n_new]) for a, c in zip(r["answers"], cases)]
             res.setdefault(rd, {})[name] = dict(
-                answers=answers, scores=[answer_score(a, c.answers) for a, c in zip(answers, cases)],
+                answers=answers,
+                scores=[answer_score(a, c.answers) for a, c in zip(answers, cases)],
                 bytes=r["bytes"], full_bytes=r["full_bytes"])
     return res, got["info"]
 

@@ -201,7 +201,8 @@ def main(job_path, result_path):
         (getattr(kvpress, name)(compression_ratio=r), f"kvpress:{name[:-5]} b={1 - r:g}", None)
         for name in job["presses"] if hasattr(kvpress, name) for r in job["ratios"]]
     for bits in job.get("quant_bits", []):
-        configs += [(None, f"hf-quanto@{bits}", (bits, 0)), (None, f"hf-quanto-kivi@{bits}", (bits, -1))]
+        configs += [(None, f"hf-quanto@{bits}", (bits, 0)),
+                    (None, f"hf-quanto-kivi@{bits}", (bits, -1))]
         configs += [(getattr(kvpress, name)(compression_ratio=r),
                      f"kvpress:{name[:-5]}+hf-quanto@{bits} b={1 - r:g}", (bits, 0))
                     for name in job.get("quant_presses", []) if hasattr(kvpress, name)
@@ -275,7 +276,8 @@ def main(job_path, result_path):
             continue
         pk = f"{name} on passkeys" not in failed and bool(job["cases"])
         rows[name] = dict(kl=a["kl"] / count, top1=a["top1"] / count,
-                          ppl=float(torch.tensor(a["nll"] / count).exp()), share=a["bytes"] / a["full"],
+                          ppl=float(torch.tensor(a["nll"] / count).exp()),
+                          share=a["bytes"] / a["full"],
                           pk_share=a["pk_bytes"] / a["pk_full"] if pk else None,
                           pk_tokens=answers[name] if pk else None)
     open(result_path, "w").write(json.dumps(dict(rows=rows, info=info)))
