@@ -425,8 +425,9 @@ def report(rows, meta, peer_error) -> str:
                   "is its uncompressed cache, its reference for KL and top-1."]
         if any(n.startswith("hf-quanto") or "+hf-quanto" in n for n in rows):
             lines += ["`hf-quanto@B` is HF transformers' `QuantizedCache` (quanto backend, B "
-                      "bits, its defaults: groups of 64, keys and values grouped per token, the "
-                      "last 128 tokens unquantized); `hf-quanto-kivi@B` groups keys per channel "
+                      "bits, its defaults: groups of 64, keys and values grouped per token; the "
+                      "prompt is quantized at prefill, new tokens stay unquantized until 128 have "
+                      "gathered); `hf-quanto-kivi@B` groups keys per channel "
                       "over 64 tokens as KIVI does; `kvpress:X+hf-quanto@B` is press X on that "
                       "cache. The peer's model computes in float32; its bytes count every "
                       "floating tensor (keys, values, scales, shifts) at 16 bits, integer codes "
@@ -457,8 +458,9 @@ def plot(rows, path):
         ax.set(title=title, xlabel="KV bytes allocated / full cache")
         ax.set_yscale("log" if key in ("kl", "ppl") else "linear")
         ax.grid(alpha=0.3)
-    fig.legend(*axes[0, 1].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=9)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    handles, labels = axes[0, 1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=9)
+    fig.tight_layout(rect=(0, 0.02 + 0.024 * -(-len(labels) // 5), 1, 1))  # room for the legend
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -16,9 +16,10 @@ bytes of the cache's tensors at the end / the same for the uncompressed cache.
 With `quant_bits` in the job (evaluate.py --precision) it also runs HF
 transformers' `QuantizedCache` with its quanto backend at those bits, alone and
 under presses (kvpress compresses the dequantized cache and quantizes it again,
-as its pipeline does). Its defaults stay: groups of 64, the last 128 tokens in
-full precision; keys grouped per token (`hf-quanto`) or per channel over 64
-tokens as KIVI does (`hf-quanto-kivi`). The model computes in float32 here, so
+as its pipeline does). Its defaults stay: groups of 64; the prompt quantized
+at prefill, new tokens in full precision until 128 have gathered; keys grouped
+per token (`hf-quanto`) or per channel over 64 tokens as KIVI does
+(`hf-quanto-kivi`). The model computes in float32 here, so
 with `float_bits` every floating tensor (keys, values, scales, shifts) counts
 at that many bits, as a 16-bit model would hold it; integer codes count as
 stored.

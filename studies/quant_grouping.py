@@ -12,7 +12,11 @@ heads, rows and windows:
 - bytes per token of one head's key and value, codes and scales.
 
 Ways: per token, groups of 16, 32 or 64 numbers along the head dimension;
-per channel (KIVI), groups of 32 tokens for each channel.
+per channel, groups of 32 tokens for each channel, for keys and values or, as
+KIVI does, for keys only (values per token); each key channel scaled before
+rounding per token; and with the last 128 tokens of the window kept in 16
+bits, as KIVI and HF transformers' quantized cache keep their newest tokens
+(bytes then averaged over the window).
 
     python -m studies.quant_grouping --out results/quant/grouping
 """
@@ -81,22 +85,35 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
         windows, prompt_len, rows = 1, 64, 8
     texts = prompts(tok, windows, prompt_len, prompt_len, 0, text)
     D = model.args.head_dim
-    ways = {f"per token, groups of {g}": (per_token, g) for g in (16, 32, 64)}
-    ways["per channel, 32 tokens (KIVI)"] = (per_channel, 32)
+    # name: (key rounding, value rounding, group, newest tokens kept in 16 bits)
+    ways = {f"per token, groups of {g}": (per_token, per_token, g, 0) for g in (16, 32, 64)}
+    ways["per channel, 32 tokens, keys and values"] = (per_channel, per_channel, 32, 0)
+    ways["KIVI: keys per channel (32 tokens), values per token (32)"] = (
+        per_channel, per_token, 32, 0)
     for alpha in (0.5, 1.0):
         ways[f"per token, groups of 32, channels scaled (alpha {alpha})"] = (
-            lambda x, b, g, a=alpha: smoothed(x, b, g, a), 32)
+            lambda x, b, g, a=alpha: smoothed(x, b, g, a), per_token, 32, 0)
+    ways["per token, groups of 32, channels scaled (alpha 0.5), newest 128 in 16 bits"] = (
+        smoothed, per_token, 32, 128)
+    ways["KIVI, newest 128 in 16 bits"] = (per_channel, per_token, 32, 128)
     table = {}
     with torch.no_grad():
         recorders = record(model, texts)[0]
-        for name, (fn, g) in ways.items():
+        for name, (kfn, vfn, g, exact) in ways.items():
+            exact = min(exact, prompt_len // 2)
+
+            def kept(fn, x, bits):  # rounded, but for the newest `exact` tokens
+                y = fn(x, bits, g)
+                y[..., y.shape[-2] - exact:, :] = x[..., x.shape[-2] - exact:, :]
+                return y
             for bits in (8, 4, 2):
                 sums = dict(key=0.0, value=0.0, output=0.0)
                 for r in recorders:
                     q, k, v = (t.float() for t in r.qkv)
-                    e = errors(q, k, v, fn(k, bits, g), fn(v, bits, g), rows)
+                    e = errors(q, k, v, kept(kfn, k, bits), kept(vfn, v, bits), rows)
                     sums = {n: sums[n] + e[n] / len(recorders) for n in sums}
                 per = token_bytes(bits, D, g)
+                per = round((per * (prompt_len - exact) + token_bytes(16, D) * exact) / prompt_len)
                 table[f"{name}, {bits} bits"] = dict(bytes=per, **sums)
     meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine(), windows=windows,
                 prompt_len=prompt_len, rows=rows, text=text,
