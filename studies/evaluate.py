@@ -3,7 +3,7 @@
     python -m studies.evaluate           # SmolLM2-135M; 30 windows, 40 passkeys; ~20 min on 2 cores
     python -m studies.evaluate --quick --ckpt TINY_CHECKPOINT    # a smoke test, seconds
     python -m studies.evaluate --peer kvpress   # also NVIDIA kvpress, run in its own venv:
-        python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5
+        python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5 optimum-quanto==0.2.7
     python -m studies.evaluate --passkey-chat --windows 2 --thresholds --budgets \
         --out results/evaluate/passkey_chat   # the full cache on the ChatML form of the passkeys
 

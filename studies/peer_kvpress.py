@@ -2,7 +2,7 @@
 
 kvpress pins its own transformers, so this runs in a venv of its own:
 
-    python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5
+    python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5 optimum-quanto==0.2.7
     /tmp/kvp/bin/python studies/peer_kvpress.py JOB.json RESULT.json  # what --peer kvpress runs
 
 kvpress compresses the prompt's cache once, at the end of prefill (a forward
