@@ -84,3 +84,19 @@ def test_peer_failure_is_reported(tiny_ckpt):
     assert "kvpress" in got["error"]
     assert "cannot start" in evaluate.run_peer("/nonexistent/python", tiny_ckpt, [], 2, [], 2,
                                                [0.5], batch=1, threads=1)["error"]
+
+
+def test_menu_variants_run(tiny_ckpt, tmp_path):
+    """studies/menu_variants.py: a row per variant and budget beside h2o's, and
+    the budget mode's own menu back in place afterwards."""
+    from studies import menu_variants
+    rows = menu_variants.main(ckpt=str(tiny_ckpt), text="pydoc", budgets=(0.5,), windows=2,
+                              prompt_len=40, new_tokens=4, variants=["default", "h2o:w=0/span=1"],
+                              out=str(tmp_path / "mv"))
+    assert list(rows) == ["full", "h2o b=0.5", "default b=0.5", "h2o:w=0/span=1 b=0.5"]
+    assert rows["full"]["kl"] == 0 and all(r["kl"] >= 0 for r in rows.values())
+    assert (tmp_path / "mv.json").is_file()
+    import generation
+    from policies import menu
+    assert generation.menu is menu  # restored
+    assert [type(p).__name__ for p in menu_variants.menu_of("h2o")()] == ["Union"] * 7

@@ -96,3 +96,4 @@ def test_longctx_scores_the_peers_answers(monkeypatch):
     monkeypatch.setattr(evaluate, "run_peer_job", lambda python, job: {"error": "no kvpress"})
     assert longctx.peer_cases("py", "ckpt", tok, cases, ["agnostic"], [0.5], 4, 1) == (
         {}, {"error": "no kvpress"})
+
