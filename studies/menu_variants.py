@@ -80,7 +80,7 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
             name, _, spec = v.partition(":")
             generation.menu = menu_of(name)  # what make_caches builds the budget mode from
             cfgs = [Config("full", "full", {})] + [
-                Config(f"{v} b={b:g}", "fastgen", {"kv_budget": b, **options(spec)})
+                Config(f"fastgen[{v}] b={b:g}", "fastgen", {"kv_budget": b, **options(spec)})
                 for b in budgets]
             got = evaluate.text_quality(model, texts, new_tokens, cfgs, flags, windows, 0.3, 0.3)
             rows |= {n: r for n, r in got.items() if n != "full"}

@@ -93,7 +93,8 @@ def test_menu_variants_run(tiny_ckpt, tmp_path):
     rows = menu_variants.main(ckpt=str(tiny_ckpt), text="pydoc", budgets=(0.5,), windows=2,
                               prompt_len=40, new_tokens=4, variants=["default", "h2o:w=0/span=1"],
                               out=str(tmp_path / "mv"))
-    assert list(rows) == ["full", "h2o b=0.5", "default b=0.5", "h2o:w=0/span=1 b=0.5"]
+    assert list(rows) == ["full", "h2o b=0.5", "fastgen[default] b=0.5",
+                          "fastgen[h2o:w=0/span=1] b=0.5"]
     assert rows["full"]["kl"] == 0 and all(r["kl"] >= 0 for r in rows.values())
     assert (tmp_path / "mv.json").is_file()
     import generation
