@@ -527,7 +527,7 @@ def plot(results: dict, path: Path) -> str | None:
     lengths = list(results)
     readings = [rd for rd in READINGS if rd in results[lengths[0]]]
     fig, axes = plt.subplots(len(readings), len(lengths), squeeze=False,
-                             figsize=(4.5 * len(lengths), 3.8 * len(readings)))
+                             figsize=(max(4.5 * len(lengths), 10), 3.8 * len(readings)))
     families = list(dict.fromkeys(family(n) for n in results[lengths[0]][readings[0]]["rows"]))
     palette = plt.get_cmap("tab20").colors
     colors = {f: palette[i % len(palette)] for i, f in enumerate(families)}
@@ -549,8 +549,10 @@ def plot(results: dict, path: Path) -> str | None:
                    ylabel="average score", ylim=(-0.03, 1.03))
             ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=9)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    ncol = min(len(labels), 4)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9)
+    rows = -(-len(labels) // ncol)  # the legend's, below the panels
+    fig.tight_layout(rect=(0, 0.02 + 0.035 * rows / len(readings), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
