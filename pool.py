@@ -257,13 +257,15 @@ class Pool(nn.Module, abc.ABC):
         self.hide()
         self.mark_dynamic()
 
-    def encode(self, bits, k, v, seg) -> dict:
-        """Rows of k and v (n, D), of segments seg (n,; read only when rounding),
-        as a part of precision `bits` stores them, (n, ...) each."""
+    def encode(self, bits, k, v, seg=None) -> dict:
+        """Rows of k and v (n, D) as a part of precision `bits` stores them, (n, ...)
+        each. The rows are the segments seg's (None: every segment's, in order), the
+        same number of consecutive rows each; read only when rounding."""
         if not rounds(bits):  # the model's dtype (a no-op) or 16 bits
             dtype = self.dtype if bits is None else storage_dtype(bits, self.dtype)
             return dict(k=k.to(dtype), v=v.to(dtype))
-        k = k / self.key_factors.index_select(0, seg)
+        f = self.key_factors if seg is None else self.key_factors.index_select(0, seg)
+        k = (k.view(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
         return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
 
     def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,17 +294,15 @@ class Pool(nn.Module, abc.ABC):
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, flags)
         for i, bits in enumerate(self.precisions):
-            if not self.part_rows:  # one part: every row, in order
-                rows, at = None, slot
-                segs = torch.arange(len(k) // per, device=slot.device) if rounds(bits) else None
+            if not self.part_rows:  # one part: every segment's rows, in order
+                segs, rows, at = None, None, slot
             else:
                 segs = getattr(self, f"rows{bits}")
                 rows = segs if per == 1 else (
                     segs[:, None] * per + torch.arange(per, device=segs.device)).view(-1)
                 at = slot.index_select(0, rows) - self.part_start[i]
             ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
-            seg = segs if per == 1 or segs is None else segs.repeat_interleave(per)
-            for name, t in self.encode(bits, ks, vs, seg).items():
+            for name, t in self.encode(bits, ks, vs, segs).items():
                 if name == "k":
                     self.write_key(at, t)
                 else:
