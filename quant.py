@@ -8,10 +8,11 @@ and minimum (asymmetric min-max rounding), several codes packed per byte:
     x ~ low + scale * code,   code in 0 .. 2**bits - 1,   scale = (max - min) / (2**bits - 1)
 
 so every number is off by at most half its group's scale. Per token, so that
-a token is quantized once, as it enters the cache, and never again: a grouping
-per channel (KIVI) needs the tokens of a group together, a full-precision
-residue while a group fills, and its measured gain on this model's keys was
-small at 8 and 4 bits (README, "Precision").
+a token is quantized once, as it enters the cache, and leaves alone: KIVI's
+keys per channel measured a quarter less output error at 4 bits, but tie 32
+tokens to one scale, which a head that evicts one token at a time cannot
+keep, and need a full-precision residue while a group fills (README, "How
+FastGen works": why per token).
 
 Keys first have each channel divided by a factor of its head's, the square
 root of the channel's largest magnitude over the prompt (`channel_factors`):
