@@ -54,8 +54,10 @@ def options(spec: str) -> dict:
     for item in filter(None, spec.split("/")):
         key, _, value = item.partition("=")
         field = dict(w="obs_window", score="hh_score", span="span").get(key)
-        if field is None or not value:
-            raise ValueError(f"unknown option {item!r}: w=ROWS, score=mean|sum, span=N")
+        ok = value in ("mean", "sum") if field == "hh_score" else value.isdigit()
+        if field is None or not ok:
+            raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
+                             "span=N, N a whole number")
         out[field] = value if field == "hh_score" else int(value)
     return out
 
