@@ -165,16 +165,19 @@ class FastGenCache(nn.Module):
     def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots, (S, T), scored by the attention of the rows read,
         and the recovery of every policy, (S, n_policies)."""
-        sums = attention_sums(q, k, self.prompt_lens, local_ratios(self.policies), rows)
+        sums = attention_sums(q, k, self.prompt_lens, banded(self.policies), rows)
         return self.from_sums(sums, tokens, sink)
 
     def from_sums(self, sums: Profile, tokens, sink: bool,
                   layers: int = 1) -> tuple[Slots, torch.Tensor]:
         """`profile` from profiling's `sums` of `layers` layers stacked: slots
-        (layers * S, T) and recoveries (layers * S, n_policies)."""
+        (layers * S, T) and recoveries (layers * S, n_policies), None for a
+        single policy, which has nothing to choose (`banded`)."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
                               layers, self.span)
         prompt.keeps_all(self.policies)
+        if len(self.policies) == 1:
+            return prompt, None
         return prompt, recoveries(self.policies, prompt, sums, sink)
 
     def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
@@ -412,7 +415,7 @@ def decide(caches: list[FastGenCache]):
                          "options and max_new_tokens")
     prompt, recovery = first.from_sums(profile_layers(caches), first.held[3], first.sink,
                                        layers=len(caches))
-    if first.bits is not None and any(map(rounds, first.bits)):
+    if recovery is not None and first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
         q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
         kinds = sorted(set(first.bits))
@@ -439,7 +442,14 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
     first = caches[0]
     q, k = (torch.cat([c.held[i] for c in caches]) for i in (0, 1))
     lens = first.prompt_lens.repeat(len(caches))
-    return attention_sums(q, k, lens, local_ratios(first.policies), first.rows)
+    return attention_sums(q, k, lens, banded(first.policies), first.rows)
+
+
+def banded(policies: list[Policy]) -> list[float]:
+    """The Local ratios whose band sums profiling takes, for the recoveries:
+    none for a single policy (a fixed one), which has nothing to choose. Bands
+    cost an extra pass over every row read, one per ratio."""
+    return local_ratios(policies) if len(policies) > 1 else []
 
 
 def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, growth):
@@ -448,12 +458,15 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
     over each head's cost, the prompt tokens its policy keeps plus what it will
     keep of the new ones, within a share of what a full cache would hold."""
     L, M = len(caches), len(caches[0].policies)
+    if recovery is None:  # a single policy: every segment's
+        for c in caches:
+            c.recovery = None
+            c.choice = prompt.pos.new_zeros(len(prompt.pos) // L, dtype=torch.long)
+        return
     recovery = recovery.view(L, -1, M)  # (L, S, M)
     for c, r in zip(caches, recovery):
         c.recovery, c.choice = r, None
-        if M == 1:
-            c.choice = torch.zeros_like(r[:, 0], dtype=torch.long)
-        elif c.budget is None:
+        if c.budget is None:
             c.choice = choose(r, c.threshold)
     budgeted = [i for i, c in enumerate(caches) if c.choice is None]
     if budgeted:

@@ -394,7 +394,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
         gen.profile_s = sum(c.profile_s for c in caches)
         gen.plan = [c.plan_names() for c in caches]
-        gen.recovery = [c.recovery.tolist() for c in caches]
+        gen.recovery = [c.recovery.tolist() for c in caches if c.recovery is not None]
         gen.growths = sum(c.growths() for c in caches)
     model.setup_caches(None)
     return tp.gather_stats(gen, B) if tp.world() > 1 else gen

@@ -36,6 +36,11 @@ CHUNK_BYTES = 64 << 20
 # strip gathers c * R * c of its probabilities per head, which costs more per
 # value than its other passes, so long chunks paid for the strip quadratically.
 BAND_ROWS = 128
+# Query rows a chunk holds at least, where splitting the batch allows: a chunk
+# reads every key of the sequences it covers, so one-row chunks over many
+# sequences (a model's layers stacked, as `cache.decide` profiles) would read
+# all the keys once per row, bound by memory traffic.
+MIN_ROWS = 64
 
 
 @dataclass
@@ -60,6 +65,13 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     """
     B, K, T, D = k.shape
     H = q.shape[1]
+    per = max(1, chunk_bytes // (H * T * 4 * MIN_ROWS))  # sequences at a time
+    if per < B:
+        parts = [attention_sums(q[i:i + per], k[i:i + per], lens[i:i + per], ratios, rows,
+                                chunk_bytes) for i in range(0, B, per)]
+        cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
+        return Profile(cat("colsum"), {r: torch.cat([p.bands[r] for p in parts]) for r in ratios},
+                       cat("rows"), cat("last"))
     G = H // K
     kt = k.float().transpose(-1, -2)  # (B, K, D, T): the G query heads of a KV head share it
     qg = q.view(B, K, G, -1, D)

@@ -53,7 +53,6 @@ import model as model_module
 from cache import profile_layers
 from generation import CacheOptions, make_caches
 from model import causal_attention
-from profiling import local_ratios
 from studies.textdata import SOURCES
 
 BASELINES = ("local", "sink", "h2o", "tova", "snapkv")
@@ -153,7 +152,7 @@ def from_record(recorders):
     def sums(caches):
         layers = tuple(id(c.held[1]) for c in caches)  # the recorded keys, held as given
         memo = by_key[layers[0]].sums
-        key = (layers, tuple(local_ratios(caches[0].policies)), caches[0].rows)
+        key = (layers, tuple(fastgen_cache.banded(caches[0].policies)), caches[0].rows)
         if key not in memo:
             memo[key] = profile_layers(caches)
         return memo[key]
