@@ -44,7 +44,7 @@ import pool
 from model import causal_attention
 from policies import Full, Policy, Slots
 from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
-                       precision_errors, prompt_slots, recoveries)
+                       precision_errors, prompt_slots, recoveries, weigh)
 from quant import rounds, token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
@@ -101,6 +101,9 @@ class FastGenCache(nn.Module):
     tensor parallel, `heads` (tp.Heads) shares the budget's tables among the
     ranks, so that the budget is the whole model's, as in one process. With
     `rechoose`, each chunk read chooses every segment's policy again (`choose_again`).
+    With `weigh_values`, a prompt token's attention counts times its value's
+    norm (profiling.weigh), in the recoveries and the scores; a chunk's choice
+    again reads attention alone.
     With `whole_model`, the budget is shared by every layer's heads (one knapsack
     when all the layers decide together) instead of each layer's own.
     """
@@ -110,7 +113,7 @@ class FastGenCache(nn.Module):
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
                  heads=None, rechoose: bool = False, span: int = 1, bits=None,
-                 whole_model: bool = False):
+                 whole_model: bool = False, weigh_values: bool = False):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
@@ -125,7 +128,7 @@ class FastGenCache(nn.Module):
         self.share = budget
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
-        self.span = span
+        self.span, self.weigh_values = span, weigh_values
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
         self.evict_every = evict_every or max(EVICT_EVERY, self.page // 2)
@@ -409,12 +412,15 @@ def decide(caches: list[FastGenCache]):
     rows profiling reads (`fastgen_caches` makes them so)."""
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
-    shared = lambda c: (c.policies, c.bits, c.rows, c.sink, c.span, c.max_new_tokens)  # noqa: E731
+    shared = lambda c: (c.policies, c.bits, c.rows, c.sink, c.span, c.weigh_values,  # noqa: E731
+                        c.max_new_tokens)
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
-    prompt, recovery = first.from_sums(profile_layers(caches), first.held[3], first.sink,
-                                       layers=len(caches))
+    sums = profile_layers(caches)
+    if first.weigh_values:
+        sums = weigh(sums, torch.cat([c.held[2] for c in caches]))
+    prompt, recovery = first.from_sums(sums, first.held[3], first.sink, layers=len(caches))
     if recovery is not None and first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
         q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))

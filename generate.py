@@ -103,7 +103,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
          recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
          kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
-         span: int = SPAN, sink_mass: str = "count", paper: bool = False,
+         span: int = SPAN, sink_mass: str = "count", weigh_values: bool = True,
+         paper: bool = False,
          evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
          kv_bits: tuple[int, ...] | None = None, budget_scope: str = "layer",
          save_plan: str | None = None,
@@ -124,9 +125,9 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     """
     cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
                          kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
-                         span=span, sink_mass=sink_mass, paper=paper, evict_every=evict_every,
-                         prefill_chunk=prefill_chunk, rechoose=rechoose, kv_bits=kv_bits,
-                         budget_scope=budget_scope)
+                         span=span, sink_mass=sink_mass, weigh_values=weigh_values, paper=paper,
+                         evict_every=evict_every, prefill_chunk=prefill_chunk, rechoose=rechoose,
+                         kv_bits=kv_bits, budget_scope=budget_scope)
     device = tp.init(device)
     with tp.same_outcome():
         check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
@@ -351,6 +352,11 @@ def parse_args(argv=None):
     p.add_argument("--sink-mass", default="count", choices=["count", "drop"], help="fastgen: "
                    "whether the first token's attention counts in a head's recovery (default "
                    "count)")
+    p.add_argument("--weigh-values", action=argparse.BooleanOptionalAction, default=True,
+                   help="fastgen: count the attention a prompt token got times the norm of its "
+                   "value, what dropping it moves the output by, in each head's recovery and "
+                   "heavy-hitter scores; --no-weigh-values counts attention alone, as the paper "
+                   "(default: weigh, which measured better on every text; see the README)")
     p.add_argument("--r-local", type=float, default=0.3, help="fastgen: Local window as a "
                    "share of the prompt (default 0.3)")
     p.add_argument("--r-frequent", type=float, default=0.3, help="fastgen: heavy-hitter "

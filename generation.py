@@ -156,6 +156,7 @@ class CacheOptions:
     obs_window: int = 32              # fastgen: prompt rows profiled; 0: every row
     span: int = SPAN                  # fastgen: a prompt token scores its span's most attention
     sink_mass: str = "count"          # fastgen: "count" or "drop" the first token's attention
+    weigh_values: bool = True         # fastgen: a prompt token's attention times its value's norm
     paper: bool = False               # fastgen: the paper's literal method
     evict_every: int | None = None    # compressed caches: steps between evictions
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
@@ -209,8 +210,9 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     otherwise the budget mode, the menu of policies under `kv_budget` (default
     0.5), which measured best (README, Results). `paper` is the paper's literal
     method (threshold T, default 0.95; heavy hitters by summed attention,
-    profiling over every prompt row, the sink's mass counted); otherwise
-    `hh_score`, `obs_window` (0: every row), `span` and `sink_mass` choose. The fixed
+    profiling over every prompt row, the sink's mass counted, attention not
+    weighed by values); otherwise `hh_score`, `obs_window` (0: every row),
+    `span`, `sink_mass` and `weigh_values` choose. The fixed
     policies keep `kv_budget` (default 0.5) of the prompt. Compressed caches
     evict every `evict_every` steps (default: half a page of the pool, at least
     cache.EVICT_EVERY = 8 tokens; 1 with `paper`). With `compiled`, the decode
@@ -234,13 +236,14 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
                 for _ in model.layers]
     if o.paper:
         o = replace(o, hh_score="sum", obs_window=0, sink_mass="count", span=1,
+                    weigh_values=False,
                     evict_every=o.evict_every or 1)
     evict = dict(evict_every=o.evict_every, eager=not compiled)
     if o.prefill_chunk:  # read in pieces: profiled on the first, paged for the whole
         evict.update(page=page_size(max(prompt_lens)))
         prompt_lens = [min(n, o.prefill_chunk) for n in prompt_lens]
     kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", rechoose=o.rechoose,
-              span=o.span, **evict)
+              span=o.span, weigh_values=o.weigh_values, **evict)
     if o.kv == "fastgen" and (o.paper or o.recovery is not None):
         policies = shortlist(o.r_local, o.r_frequent, o.hh_score)
         kw.update(threshold=0.95 if o.recovery is None else o.recovery)

@@ -186,6 +186,19 @@ def carried(colsum, span: int) -> torch.Tensor:
     return F.max_pool1d(F.pad(colsum[:, None], (span - 1, 0)), span, 1)[:, 0]
 
 
+def weigh(sums: Profile, v) -> Profile:
+    """`sums` with the attention each token received weighted by the norm of
+    its value, |v_j| (v: (B, K, T, D), the segments' values): what a head's
+    output loses when token j goes is its attention times its value, not its
+    attention alone. Scaled per segment so that the rows read keep their mass
+    (recoveries divide by it, and decoding adds plain attention to the scores)."""
+    w = v.float().norm(dim=-1).flatten(0, 1)  # (S, T)
+    w = w * sums.colsum.sum(1, keepdim=True) / (sums.colsum * w).sum(1, keepdim=True).clamp(
+        min=1e-12)
+    return Profile(sums.colsum * w, {r: b * w for r, b in sums.bands.items()}, sums.rows,
+                   sums.last * w)
+
+
 def held_profile(probs, held: Slots, rows, ratios) -> Profile:
     """A Profile of what segments hold, from the attention of some query rows:
     probs (S, R, C) over the held slots (C, in any order), the rows at

@@ -14,19 +14,27 @@ A variant is MENU[:OPTIONS]: MENU one of `default` (the budget mode's menu),
 `no-local` (without the Local and Sink shapes), `h2o` (h2o's shape at the
 menu's seven sizes), `h2o-floor` and `default-floor` (sizes of 0.2 and up
 only); OPTIONS `/`-separated `w=ROWS` (0: every row), `score=mean|sum`,
-`span=N`. Prints a line per variant and budget and writes OUT.json.
+`span=N`, `v=0|1` (attention weighed by value norms, `--weigh-values`), and a
+profile of the study's own: `mix=ROWS` (with w=0) mixes every row's profile
+with the last ROWS rows' (`mixed_profile`). Prints a
+line per variant and budget and writes OUT.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+import cache as fastgen_cache
 import generation
 import policies
+from profiling import Profile, attention_sums, carried, local_ratios
 from studies import evaluate
 from studies.evaluate import Config
 
@@ -53,13 +61,52 @@ def options(spec: str) -> dict:
     out = {}
     for item in filter(None, spec.split("/")):
         key, _, value = item.partition("=")
-        field = dict(w="obs_window", score="hh_score", span="span").get(key)
+        field = dict(w="obs_window", score="hh_score", span="span", v="weigh_values",
+                     mix="mix").get(key)
         ok = value in ("mean", "sum") if field == "hh_score" else value.isdigit()
         if field is None or not ok:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
-                             "span=N, N a whole number")
-        out[field] = value if field == "hh_score" else int(value)
+                             "span=N, v=0|1, mix=ROWS, N a whole number")
+        out[field] = (value if field == "hh_score" else bool(int(value)) if field == "weigh_values"
+                      else int(value))
     return out
+
+
+@dataclass
+class Mixed(Profile):
+    score: torch.Tensor | None = None  # (S, T) the slots' scores, when not the column sums
+
+
+@contextmanager
+def mixed_profile(rows: int, span: int = generation.SPAN):
+    """While it lasts, a cache that profiles every row (w=0) profiles twice and
+    mixes: half of every row's attention, half of the last `rows` rows' scaled
+    to as many rows, its scores carried `span` tokens on (profiling.carried)."""
+    decide, slots = fastgen_cache.decide, fastgen_cache.prompt_slots
+
+    def mixed(caches):
+        inner = fastgen_cache.profile_layers
+        first = caches[0]
+
+        def both(cs):
+            a = inner(cs)
+            q, k = (torch.cat([c.held[i] for c in cs]) for i in (0, 1))
+            w = attention_sums(q, k, first.prompt_lens.repeat(len(cs)),
+                               local_ratios(first.policies), rows)
+            f = (a.rows / w.rows)[:, None]
+            mix = lambda x, y: 0.5 * (x + f * y)  # noqa: E731
+            return Mixed(mix(a.colsum, w.colsum), {r: mix(b, w.bands[r]) for r, b in
+                                                   a.bands.items()}, a.rows, a.last,
+                         mix(a.colsum, carried(w.colsum, span)))
+        with mock.patch.object(fastgen_cache, "profile_layers", both):
+            decide(caches)
+
+    def scored(sums, *a, **kw):
+        s = slots(sums, *a, **kw)
+        return replace(s, score=sums.score) if isinstance(sums, Mixed) else s
+    with mock.patch.object(fastgen_cache, "decide", mixed), \
+            mock.patch.object(fastgen_cache, "prompt_slots", scored):
+        yield
 
 
 def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=12,
@@ -81,10 +128,14 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
         for v in variants:
             name, _, spec = v.partition(":")
             generation.menu = menu_of(name)  # what make_caches builds the budget mode from
+            opts = options(spec)
+            mix = opts.pop("mix", 0)
             cfgs = [Config("full", "full", {})] + [
-                Config(f"fastgen[{v}] b={b:g}", "fastgen", {"kv_budget": b, **options(spec)})
+                Config(f"fastgen[{v}] b={b:g}", "fastgen", {"kv_budget": b, **opts})
                 for b in budgets]
-            got = evaluate.text_quality(model, texts, new_tokens, cfgs, flags, windows, 0.3, 0.3)
+            with mixed_profile(mix) if mix else nullcontext():
+                got = evaluate.text_quality(model, texts, new_tokens, cfgs, flags, windows,
+                                            0.3, 0.3)
             rows |= {n: r for n, r in got.items() if n != "full"}
     finally:
         generation.menu = menu

@@ -5,13 +5,13 @@ import torch
 
 import cache
 import pool
-from cache import fastgen_caches
+from cache import FastGenCache, fastgen_caches
 from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
 from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, local_ratios, prompt_slots,
-                       recovery)
+                       recovery, weigh)
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
@@ -254,6 +254,7 @@ def test_layers_reserve_together_as_each_alone(evict_every):
 @pytest.mark.parametrize("policies, options", [
     (menu(), dict(budget=0.5, rows=5)),
     (shortlist(0.3, 0.3), dict(threshold=0.8)),  # the paper's: every row read
+    (menu(), dict(budget=0.5, rows=5, weigh_values=True)),
 ])
 @pytest.mark.parametrize("held", ["each alone", "two by two", "all at once"])
 @torch.no_grad()
@@ -638,3 +639,42 @@ def test_a_span_carries_a_score_to_the_tokens_after_it():
         s = prompt_slots(prof, lens, flags, 1, span=span)
         kept = set(s.pos[s.keeps(heavy)].tolist())
         assert want <= kept and len(kept) == 3
+
+
+def test_weigh_counts_attention_times_the_value_norm():
+    """profiling.weigh: a token's attention times its value's norm, scaled so
+    that a segment's mass is still its rows read."""
+    colsum = torch.tensor([[2.0, 1.0, 1.0]])
+    v = torch.tensor([1.0, 3.0, 0.0])[None, None, :, None].expand(1, 1, 3, 2)  # (B, K, T, D)
+    got = weigh(Profile(colsum, {0.5: colsum / 2}, torch.tensor([4.0]), colsum), v)
+    torch.testing.assert_close(got.colsum, torch.tensor([[1.6, 2.4, 0.0]]))  # 2, 3, 0 times 0.8
+    torch.testing.assert_close(got.bands[0.5], got.colsum / 2)
+    torch.testing.assert_close(got.last, got.colsum)
+
+
+@pytest.mark.parametrize("same_norms", [True, False])
+@torch.no_grad()
+def test_a_cache_weighs_values_as_profiling_says(same_norms):
+    """With `weigh_values`, a head's recoveries are those of the weighed
+    profile; where every value has the same norm, weighing changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    B, H, K, T, D = 2, 4, 2, 24, 8
+    q, k, v = torch.randn(B, H, T, D, generator=g), *torch.randn(2, B, K, T, D, generator=g)
+    if same_norms:
+        v = v / v.norm(dim=-1, keepdim=True)
+    lens, tokens = torch.tensor([T, T - 5]), torch.randint(0, 50, (B, T), generator=g)
+    flags = random_flags(50, 1)
+
+    def build(weigh_values):
+        c = FastGenCache(menu(), lens, 4, K, flags, budget=0.5, rows=6, weigh_values=weigh_values)
+        c(q, k, v, torch.arange(T).expand(B, T), tokens)
+        return c
+    plain, weighed = build(False), build(True)
+    sums = attention_sums(q, k, lens, local_ratios(menu()), 6)
+    _, want = plain.from_sums(weigh(sums, v), tokens, plain.sink)
+    torch.testing.assert_close(weighed.recovery, want, atol=1e-5, rtol=0)
+    if same_norms:
+        torch.testing.assert_close(weighed.recovery, plain.recovery, atol=1e-5, rtol=0)
+        assert torch.equal(weighed.choice, plain.choice)
+    else:
+        assert not torch.allclose(weighed.recovery, plain.recovery, atol=1e-3)

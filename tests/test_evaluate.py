@@ -91,13 +91,18 @@ def test_menu_variants_run(tiny_ckpt, tmp_path):
     the budget mode's own menu back in place afterwards."""
     from studies import menu_variants
     rows = menu_variants.main(ckpt=str(tiny_ckpt), text="pydoc", budgets=(0.5,), windows=2,
-                              prompt_len=40, new_tokens=4, variants=["default", "h2o:w=0/span=1"],
-                              out=str(tmp_path / "mv"))
+                              prompt_len=40, new_tokens=4, out=str(tmp_path / "mv"),
+                              variants=["default", "h2o:w=0/span=1", "default:v=1",
+                                        "default:w=0/score=sum/span=1/mix=8"])
     assert list(rows) == ["full", "h2o b=0.5", "fastgen[default] b=0.5",
-                          "fastgen[h2o:w=0/span=1] b=0.5"]
+                          "fastgen[h2o:w=0/span=1] b=0.5", "fastgen[default:v=1] b=0.5",
+                          "fastgen[default:w=0/score=sum/span=1/mix=8] b=0.5"]
     assert rows["full"]["kl"] == 0 and all(r["kl"] >= 0 for r in rows.values())
     assert (tmp_path / "mv.json").is_file()
     import generation
     from policies import menu
     assert generation.menu is menu  # restored
     assert [type(p).__name__ for p in menu_variants.menu_of("h2o")()] == ["Union"] * 7
+    import cache
+    assert cache.decide.__module__ == "cache" and cache.prompt_slots.__module__ == "profiling"
+
