@@ -90,8 +90,10 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
         r = cols[i0:i0 + step]
         c = len(r)
         read = (r >= first[:, None]) & (r < lens[:, None])  # (B, c) the rows read
-        future = cols[i0 + 1:] > r[:, None]  # (c, T - i0 - 1) the keys a row must not see
-        rows_sum = head_sums(qg[:, :, :, r - offset], kt, future, read)  # (B, K, c, T)
+        end = i0 + c  # no row of the chunk sees a key at or past it
+        future = cols[i0 + 1:end] > r[:, None]  # (c, c - 1) the keys a row must not see
+        rows_sum = head_sums(qg[:, :, :, r - offset], kt[..., :end], future, read)
+        rows_sum = F.pad(rows_sum, (0, T - end))  # (B, K, c, T)
         chunk = rows_sum.sum(2)  # (B, K, T)
         colsum += chunk
         # The last row alone, in whichever chunk holds it: what TOVA ranks the prompt by.
