@@ -34,7 +34,7 @@ import torch
 import cache as fastgen_cache
 import generation
 import policies
-from profiling import Profile, attention_sums, carried, local_ratios
+from profiling import Profile, attention_sums, carried, local_ratios, weigh
 from studies import evaluate
 from studies.evaluate import Config
 
@@ -109,9 +109,31 @@ def mixed_profile(rows: int, span: int = generation.SPAN):
         yield
 
 
+@torch.no_grad()
+def value_norms(model, texts, rows: int = 32) -> dict:
+    """Why weighing attention by value norms changes the choice: per layer, the
+    first token's value norm over the mean of the others' (the median over
+    layers), and its share of the last `rows` rows' attention, plain and
+    weighed (profiling.weigh), averaged over layers, windows and KV heads."""
+    rec = evaluate.record(model, texts)
+    recorders, lens = rec[0], rec[3]
+    ratio, plain, weighed = [], [], []
+    for r in recorders:
+        q, k, v = r.qkv
+        sums = attention_sums(q, k, lens, (), rows)
+        norms = v.float().norm(dim=-1)  # (B, K, T)
+        ratio.append(float((norms[..., 0] / norms[..., 1:].mean(-1)).mean()))
+        for got, into in ((sums, plain), (weigh(sums, v), weighed)):
+            into.append(float((got.colsum[:, 0] / got.colsum.sum(1)).mean()))
+    return dict(first_norm_ratio_by_layer=[round(x, 3) for x in ratio],
+                first_norm_ratio_median=round(sorted(ratio)[len(ratio) // 2], 3),
+                first_share_plain=round(sum(plain) / len(plain), 3),
+                first_share_weighed=round(sum(weighed) / len(weighed), 3))
+
+
 def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=12,
          prompt_len=768, new_tokens=64, threads=1, out="results/evaluate/menu_variants",
-         ckpt=None) -> dict:
+         ckpt=None, norms: bool = False) -> dict:
     from generation import flags_of, load
     from studies.textdata import prompts
     torch.set_num_threads(threads)
@@ -119,6 +141,10 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
     model, tok = load(ckpt)
     flags = flags_of(model, tok)
     texts = prompts(tok, windows, prompt_len + new_tokens, prompt_len + new_tokens, 0, text)
+    if norms:
+        got = value_norms(model, [t[:prompt_len] for t in texts])
+        print(json.dumps(got))
+        return got
     rows = {}
     fixed = [Config("full", "full", {})] + [Config(f"h2o b={b:g}", "h2o", {"kv_budget": b})
                                             for b in budgets]
@@ -160,6 +186,9 @@ def parse_args(argv=None):
     p.add_argument("--windows", type=int, default=12, help="text windows (12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     p.add_argument("--out", default="results/evaluate/menu_variants", help="OUT.json")
+    p.add_argument("--norms", action="store_true", help="instead, print how the first token's "
+                   "value norm compares with the others' and its share of the attention, plain "
+                   "and weighed by value norms, per layer (`value_norms`)")
     a = p.parse_args(argv)
     for v in a.variants:  # a bad variant is a usage error, not a traceback an hour later
         name, _, spec = v.partition(":")

@@ -105,4 +105,8 @@ def test_menu_variants_run(tiny_ckpt, tmp_path):
     assert [type(p).__name__ for p in menu_variants.menu_of("h2o")()] == ["Union"] * 7
     import cache
     assert cache.decide.__module__ == "cache" and cache.prompt_slots.__module__ == "profiling"
+    got = menu_variants.main(ckpt=str(tiny_ckpt), text="pydoc", windows=2, prompt_len=40,
+                             new_tokens=4, norms=True)
+    assert len(got["first_norm_ratio_by_layer"]) == 2  # the tiny model's layers
+    assert 0 < got["first_share_weighed"] <= 1 and 0 < got["first_share_plain"] <= 1
 
