@@ -16,7 +16,7 @@ menu's seven sizes), `h2o-floor` and `default-floor` (sizes of 0.2 and up
 only); OPTIONS `/`-separated `w=ROWS` (0: every row), `score=mean|sum`,
 `span=N`, `v=0|1` (attention weighed by value norms, `--weigh-values`), and a
 profile of the study's own: `mix=ROWS` (with w=0) mixes every row's profile
-with the last ROWS rows' (`mixed_profile`). Prints a
+with the last ROWS rows' (`mixed_profile`, attention alone). Prints a
 line per variant and budget and writes OUT.json.
 """
 from __future__ import annotations
@@ -156,6 +156,8 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
             generation.menu = menu_of(name)  # what make_caches builds the budget mode from
             opts = options(spec)
             mix = opts.pop("mix", 0)
+            if mix:  # of attention alone: profiling.weigh would drop its scores
+                opts["weigh_values"] = False
             cfgs = [Config("full", "full", {})] + [
                 Config(f"fastgen[{v}] b={b:g}", "fastgen", {"kv_budget": b, **opts})
                 for b in budgets]
