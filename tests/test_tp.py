@@ -111,8 +111,12 @@ def test_tensor_parallel_equals_one_process(ckpts, tmp_path, kv_heads, n, monkey
         assert g["tokens"] == w["tokens"], kv
         assert g["plan"] == w["plan"], kv
         torch.testing.assert_close(torch.tensor(g["recovery"]), torch.tensor(w["recovery"]))
-        for key in ("kv_bytes", "full_kv_bytes", "kept_tokens", "seen_tokens"):
+        for key in ("full_kv_bytes", "kept_tokens", "seen_tokens"):
             assert g[key] == w[key], (kv, key)
+        # A rank lays out its own pool: a group of heads with one policy is sized
+        # by its largest, and a rank groups only its own heads, so the padding
+        # (and the index tensors) may differ from one process's by a little.
+        assert abs(g["kv_bytes"] - w["kv_bytes"]) <= 0.05 * w["kv_bytes"], kv
         assert len(g["kv_bytes_per_rank"]) == n and sum(g["kv_bytes_per_rank"]) == g["kv_bytes"]
     # FastGen compresses (with prompts this short, a head's round of free slots and
     # its index tensors can outweigh what it drops, so tokens are compared, not bytes).
