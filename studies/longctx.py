@@ -563,8 +563,10 @@ def plot(results: dict, path: Path) -> str | None:
 # The settings a run takes unless told otherwise, and those of --quick.
 # The default methods are those whose profiling reads a window of prompt rows;
 # local, sink, h2o, tova and fastgen-paper profile every row (as the cache
-# builds them), 7.5 to 9.5 s a 2k prompt per configuration on one core, 4x per
-# doubling. The defaults take about 3 hours on one busy core (studies/README.md).
+# builds them). The four fixed ones share one profile per prompt and reading
+# (a fixed policy takes no band sums): 32 min for the four at three budgets on
+# 40 prompts of 2k, both readings, on one busy core, about 4x per doubling.
+# The defaults take about 3 hours on one busy core (studies/README.md).
 DEFAULTS = dict(lengths=(2048, 4096), cases=20, budgets=(0.125, 0.25, 0.5),
                 methods=("full", "fastgen", "fastgen-threshold", "snapkv"),
                 kl_lengths=(4096, 8192), kl_windows=10, kl_tokens=64)
@@ -730,8 +732,9 @@ def parse_args(argv=None):
                         "kept (default 0.125 0.25 0.5)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
                    help=f"methods, of {' '.join(METHODS)} (default full fastgen fastgen-threshold "
-                        "snapkv: the others profile every prompt row and cost about 8 s a 2k "
-                        "prompt per configuration, 4x per doubling); fastgen is the budget mode, "
+                        "snapkv: the others profile every prompt row, the fixed ones one profile "
+                        "per prompt for all, about 45 s a 2k prompt, 4x per doubling); fastgen is "
+                        "the budget mode, "
                         "fastgen-threshold and fastgen-paper run at --thresholds; the full cache "
                         "always runs (the reference)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9],
