@@ -364,8 +364,9 @@ def parse_args(argv=None):
     p.add_argument("--allow-pickle", action="store_true", help="also load *.bin/*.pth "
                    "weights (pickles) when a checkpoint has no safetensors, with "
                    "torch.load(weights_only=True); off by default because unpickling can run code")
-    p.add_argument("--save-plan", help="fastgen and baselines: write each head's policy and "
-                   "recoveries to this JSON file")
+    p.add_argument("--save-plan", help="fastgen and baselines: write each head's policy to "
+                   "this JSON file, and for fastgen the recoveries it chose by (a baseline "
+                   "chooses nothing and measures none)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout "
                    "(texts, token counts, timings, KV bytes, kept tokens, the plan) instead of "
                    "text; with --interactive, one per turn")
