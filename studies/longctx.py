@@ -522,6 +522,8 @@ def plot(results: dict, path: Path) -> str | None:
         import matplotlib
     except ImportError:
         return "matplotlib is not installed: no picture (pip install matplotlib)"
+    if not results:
+        return "no tasks were run (--lengths given none): no picture"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     lengths = list(results)
@@ -686,8 +688,9 @@ def check(*, lengths, cases, tasks, readings, budgets, methods, thresholds, kl_l
     def need(ok, message):
         if not ok:
             raise ValueError(message)
-    need(lengths and all(n >= 64 for n in lengths),
+    need(all(n >= 64 for n in lengths),
          f"--lengths must be 64 tokens or more (got {list(lengths)})")
+    need(lengths or kl_lengths, "nothing to run: give --lengths, --kl-lengths or both")
     need(cases >= 1, f"--cases must be at least 1 (got {cases})")
     need(all(0 < b <= 1 for b in budgets), f"--budgets must be in (0, 1] (got {list(budgets)})")
     need(all(0 < t <= 1 for t in thresholds),
@@ -718,9 +721,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a smoke test in under a minute: 1 case "
                    "per task at 512 tokens, budget 0.25, methods full and fastgen, one text "
                    "window of 512 + 16 tokens (flags given as well take precedence)")
-    p.add_argument("--lengths", type=int, nargs="+",
+    p.add_argument("--lengths", type=int, nargs="*",
                    help="prompt lengths in tokens (default 2048 4096; 8192 is clipped to the "
-                        "model's context less the longest answer: 8152 for SmolLM2)")
+                        "model's context less the longest answer: 8152 for SmolLM2); none: "
+                        "the text's KL alone")
     p.add_argument("--cases", type=int, help="cases per task and length (default 20)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), metavar="TASK",
                    help=f"tasks to run (default all: {' '.join(TASKS)})")

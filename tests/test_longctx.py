@@ -190,3 +190,15 @@ def test_quick_run_writes_sane_outputs(ckpt, tmp_path):
     assert "python -m studies.longctx --quick" in md and "Teacher-forced" in md
     cases = saved["cases"][length]["agnostic"]["fastgen b=0.25"]
     assert len(cases) == len(longctx.TASKS) and {c["task"] for c in cases} == set(longctx.TASKS)
+
+
+def test_text_quality_alone(ckpt, tmp_path):
+    """No --lengths: the text's KL alone, and a report without tasks or picture."""
+    got = longctx.main(ckpt=str(ckpt), out=str(tmp_path / "kl"), quick=True, threads=1,
+                       lengths=[], kl_lengths=[64], kl_windows=1, kl_tokens=4)
+    assert got["results"] == {} and got["text"]["64"]["full"]["kl"] == 0
+    md = (tmp_path / "kl.md").read_text()
+    assert "Teacher-forced" in md and "tokens, agnostic" not in md
+    assert not (tmp_path / "kl.png").exists()
+    with pytest.raises(SystemExit):
+        longctx.parse_args(["--lengths", "--kl-lengths"])
