@@ -15,9 +15,9 @@ For a policy whose kept set K does not depend on the query row (everything but
 Local), the mass on K is sum_{j in K} colsum[j]. Local is the one policy whose
 set moves with the query (row i keeps its W most recent tokens), so a union
 with Local recovers, in addition, sum_{j not in K} band_W[j]. The sums are
-accumulated over chunks of query rows. The budget mode weighs them (`weigh`):
-token j's attention counts times the norm of its value, what dropping it
-moves the head's output by.
+accumulated over chunks of query rows. FastGen weighs them (`weigh`; not the
+paper's method): token j's attention counts times the norm of its value,
+what dropping it moves the head's output by.
 """
 from __future__ import annotations
 
