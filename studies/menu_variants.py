@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -34,7 +35,7 @@ import torch
 import cache as fastgen_cache
 import generation
 import policies
-from profiling import Profile, attention_sums, carried, local_ratios, weigh
+from profiling import Profile, attention_sums, carried, weigh
 from studies import evaluate
 from studies.evaluate import Config
 
@@ -63,7 +64,8 @@ def options(spec: str) -> dict:
         key, _, value = item.partition("=")
         field = dict(w="obs_window", score="hh_score", span="span", v="weigh_values",
                      mix="mix").get(key)
-        ok = value in ("mean", "sum") if field == "hh_score" else value.isdigit()
+        ok = (value in ("mean", "sum") if field == "hh_score" else value in ("0", "1")
+              if field == "weigh_values" else value.isdigit())
         if field is None or not ok:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, mix=ROWS, N a whole number")
@@ -92,7 +94,7 @@ def mixed_profile(rows: int, span: int = generation.SPAN):
             a = inner(cs)
             q, k = (torch.cat([c.held[i] for c in cs]) for i in (0, 1))
             w = attention_sums(q, k, first.prompt_lens.repeat(len(cs)),
-                               local_ratios(first.policies), rows)
+                               fastgen_cache.banded(first.policies), rows)
             f = (a.rows / w.rows)[:, None]
             mix = lambda x, y: 0.5 * (x + f * y)  # noqa: E731
             return Mixed(mix(a.colsum, w.colsum), {r: mix(b, w.bands[r]) for r, b in
@@ -126,7 +128,7 @@ def value_norms(model, texts, rows: int = 32) -> dict:
         for got, into in ((sums, plain), (weigh(sums, v), weighed)):
             into.append(float((got.colsum[:, 0] / got.colsum.sum(1)).mean()))
     return dict(first_norm_ratio_by_layer=[round(x, 3) for x in ratio],
-                first_norm_ratio_median=round(sorted(ratio)[len(ratio) // 2], 3),
+                first_norm_ratio_median=round(statistics.median(ratio), 3),
                 first_share_plain=round(sum(plain) / len(plain), 3),
                 first_share_weighed=round(sum(weighed) / len(weighed), 3))
 
@@ -183,7 +185,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", help="checkpoint folder (default SmolLM2-135M-Instruct)")
     p.add_argument("--text", default="usenet", choices=evaluate.SOURCES, help="real text (usenet)")
     p.add_argument("--variants", nargs="+", default=["default"], help="MENU[:w=ROWS/score=mean|"
-                   "sum/span=N]; MENU: default, default-floor, no-local, h2o, h2o-floor")
+                   "sum/span=N/v=0|1/mix=ROWS]; MENU: default, default-floor, no-local, h2o, "
+                   "h2o-floor")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="(0.25 0.5)")
     p.add_argument("--windows", type=int, default=12, help="text windows (12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
