@@ -44,7 +44,7 @@ import pool
 from model import causal_attention
 from policies import Full, Policy, Slots
 from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
-                       precision_errors, prompt_slots, recoveries, weigh)
+                       precision_errors, prompt_slots, recoveries, squared_losses, weigh)
 from quant import rounds, token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
@@ -105,7 +105,9 @@ class FastGenCache(nn.Module):
     norm (profiling.weigh), in the recoveries and the scores; a chunk's choice
     again reads attention alone.
     With `whole_model`, the budget is shared by every layer's heads (one knapsack
-    when all the layers decide together) instead of each layer's own.
+    when all the layers decide together) instead of each layer's own. The
+    knapsack maximizes the heads' summed recoveries (`objective` "linear") or
+    minus their summed squared losses ("squared", profiling.squared_losses).
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
@@ -113,16 +115,19 @@ class FastGenCache(nn.Module):
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
                  heads=None, rechoose: bool = False, span: int = 1, bits=None,
-                 whole_model: bool = False, weigh_values: bool = False):
+                 whole_model: bool = False, weigh_values: bool = False,
+                 objective: str = "linear"):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
+        if objective not in ("linear", "squared"):
+            raise ValueError(f"objective must be linear or squared (got {objective!r})")
         if bits is not None and len(bits) != len(policies):
             raise ValueError(f"bits: one precision per policy (got {len(bits)} for "
                              f"{len(policies)})")
         self.policies = list(policies)
         self.bits = None if bits is None else list(bits)
-        self.whole_model = whole_model
+        self.whole_model, self.objective = whole_model, objective
         # This layer's share when choosing again: the budget's, or under a whole
         # model's budget, what its heads took of it at the prompt.
         self.share = budget
@@ -304,11 +309,15 @@ class FastGenCache(nn.Module):
             if self.heads is not None:  # tensor parallel: every rank solves for every head
                 values, costs = self.heads.gather(values[None]), self.heads.gather(costs[None])
                 full = full * values.shape[1] // S
-            choice = fit_budgets(values.view(1, -1, M), costs.view(1, -1, M),
+            choice = fit_budgets(self.worth(values).view(1, -1, M), costs.view(1, -1, M),
                                  [int(self.share * full)])
             choice = (choice if self.heads is None else self.heads.mine(choice))[0]
         self.choice = choice
         self.follow(choice.tolist())
+
+    def worth(self, recovery):
+        """What the knapsack maximizes for these recoveries (`objective`)."""
+        return squared_losses(recovery) if self.objective == "squared" else recovery
 
     # --- What the cache holds ------------------------------------------------------
 
@@ -413,7 +422,7 @@ def decide(caches: list[FastGenCache]):
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
     shared = lambda c: (c.policies, c.bits, c.rows, c.sink, c.span, c.weigh_values,  # noqa: E731
-                        c.max_new_tokens)
+                        c.objective, c.max_new_tokens)
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
@@ -480,7 +489,7 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         unit, full_unit = caches[0].token_bytes()  # a budget in tokens, or in bytes with `bits`
         costs = (keeps.sum(2).T + torch.ceil(growth * new).long()) * unit
         costs = costs.view(L, -1, M)[budgeted]
-        values, heads = recovery[budgeted], caches[0].heads
+        values, heads = caches[0].worth(recovery[budgeted]), caches[0].heads
         if heads is not None:  # tensor parallel: every rank solves for every head
             values, costs = heads.gather(values), heads.gather(costs)
         full = (prompt.prompt_len[:recovery.shape[1]] + new).sum() * full_unit  # a layer's

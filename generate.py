@@ -107,6 +107,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          paper: bool = False,
          evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
          kv_bits: tuple[int, ...] | None = None, budget_scope: str = "layer",
+         objective: str = "squared",
          save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
@@ -127,7 +128,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
                          kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
                          span=span, sink_mass=sink_mass, weigh_values=weigh_values, paper=paper,
                          evict_every=evict_every, prefill_chunk=prefill_chunk, rechoose=rechoose,
-                         kv_bits=kv_bits, budget_scope=budget_scope)
+                         kv_bits=kv_bits, budget_scope=budget_scope, objective=objective)
     device = tp.init(device)
     with tp.same_outcome():
         check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
@@ -339,6 +340,11 @@ def parse_args(argv=None):
                    "first and last layers may take more; every layer's prompt keys and values "
                    "are then held until the last layer's come, which raises the prefill's "
                    "peak) (default layer)")
+    p.add_argument("--objective", default="squared", choices=["squared", "linear"],
+                   help="fastgen's budget mode: the heads' policies minimize the sum of the "
+                   "squares of the attention each loses (squared), or maximize the sum of what "
+                   "each recovers (linear), which concentrates the loss on fewer heads (default "
+                   "squared, which measured better on the worst text; see the README)")
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")

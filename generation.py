@@ -163,6 +163,7 @@ class CacheOptions:
     rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
     kv_bits: tuple[int, ...] | None = None  # compressed caches: precisions a head may store at
     budget_scope: str = "layer"       # fastgen: the budget is each "layer"'s or the "model"'s
+    objective: str = "squared"        # fastgen: the knapsack's, "squared" losses or "linear"
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
@@ -181,6 +182,8 @@ class CacheOptions:
              f"--sink-mass must be count or drop (got {self.sink_mass!r})")
         need(self.budget_scope in ("layer", "model"),
              f"--budget-scope must be layer or model (got {self.budget_scope!r})")
+        need(self.objective in ("squared", "linear"),
+             f"--objective must be squared or linear (got {self.objective!r})")
         need(self.span >= 1, f"--span must be 1 (each token its own score) or more "
              f"(got {self.span})")
         need(self.obs_window >= 0,
@@ -250,7 +253,7 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     elif o.kv == "fastgen":
         policies = menu(o.r_local, o.r_frequent, o.hh_score)
         kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget,
-                  whole_model=o.budget_scope == "model")
+                  whole_model=o.budget_scope == "model", objective=o.objective)
         if o.kv_bits:  # every policy at every precision; Full too, where it saves bytes
             items = [(p, b) for b in o.kv_bits for p in policies + [Full()] * (b < 16)]
             policies, bits = map(list, zip(*items))

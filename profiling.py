@@ -324,6 +324,17 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
     return fit_budgets(values[None], costs[None], [budget], resolution)[0]
 
 
+def squared_losses(recoveries: torch.Tensor) -> torch.Tensor:
+    """What the budget's knapsack maximizes per head by default: minus the
+    square of the share it loses, -(1 - r)^2, rather than its recovery r. A
+    model's output error grows with the square of each head's (KL is
+    quadratic in a small change of the logits), so a sum of recoveries, which
+    prices ten heads losing 1% like one head losing 10%, concentrates the loss
+    where the prompt's last rows promise that little is lost, and a
+    promise missed there costs most (README, "The budget's objective")."""
+    return -(1 - recoveries).clamp(min=0).square()
+
+
 def fit_budgets(values: torch.Tensor, costs: torch.Tensor, budgets: list[int],
                 resolution: int = 4096) -> torch.Tensor:
     """`fit_budget` for L layers at once, each under its own budget: values

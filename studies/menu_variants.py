@@ -11,18 +11,25 @@ Each variant here changes some of them, on the windows and the scoring of
     python -m studies.menu_variants --text usenet --variants default h2o h2o:w=0/score=sum/span=1
 
 A variant is MENU[:OPTIONS]: MENU one of `default` (the budget mode's menu),
-`no-local` (without the Local and Sink shapes), `h2o` (h2o's shape at the
-menu's seven sizes), `h2o-floor` and `default-floor` (sizes of 0.2 and up
-only); OPTIONS `/`-separated `w=ROWS` (0: every row), `score=mean|sum`,
-`span=N`, `v=0|1` (attention weighed by value norms, `--weigh-values`), and a
-profile of the study's own: `mix=ROWS` (with w=0) mixes every row's profile
-with the last ROWS rows' (`mixed_profile`, attention alone). Prints a
-line per variant and budget and writes OUT.json.
+`no-local` (without the Local and Sink shapes), `no-tova` (without TOVA),
+`h2o` (h2o's shape at the menu's seven sizes), `h2o-floor` and
+`default-floor` (sizes of 0.2 and up only). OPTIONS, `/`-separated: the
+cache's own `w=ROWS` (0: every row), `score=mean|sum`, `span=N`, `v=0|1`
+(attention weighed by value norms, `--weigh-values`),
+`obj=squared|linear` (the knapsack's `--objective`); and the study's own
+estimates: `mix=ROWS` (with w=0, every row's profile mixed with the last
+ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
+`scale=1` (heads priced by their values' size, `head_scale`), `both=min|mean`
+(recoveries from the last 32 rows' profile and every row's,
+`every_row_recoveries`). Prints a line per variant and budget and writes
+OUT.json. `--heads` compares, head by head, what the prompt's profile
+promised with what decoding needed (`hindsight`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -35,7 +42,8 @@ import torch
 import cache as fastgen_cache
 import generation
 import policies
-from profiling import Profile, attention_sums, carried, weigh
+from policies import Slots
+from profiling import Profile, attention_sums, carried, local_ratios, recoveries, weigh
 from studies import evaluate
 from studies.evaluate import Config
 
@@ -51,9 +59,13 @@ def menu_of(name: str):
         if name == "no-local":
             shapes = [policies.baseline(k, r, by) for k in ("h2o", "tova", "snapkv") for r in sizes]
             return list(dict.fromkeys(policies.shortlist(r_local, r_frequent, by)[:-1] + shapes))
+        if name == "no-tova":
+            return [p for p in policies.menu(r_local, r_frequent, by, sizes)
+                    if not isinstance(p, policies.TOVA)]
         if name in ("h2o", "h2o-floor"):
             return [policies.baseline("h2o", r, by) for r in sizes]
-        raise ValueError(f"unknown menu {name!r}: default, default-floor, no-local, h2o, h2o-floor")
+        raise ValueError(f"unknown menu {name!r}: default, default-floor, no-local, no-tova, "
+                         "h2o, h2o-floor")
     return menu
 
 
@@ -63,13 +75,16 @@ def options(spec: str) -> dict:
     for item in filter(None, spec.split("/")):
         key, _, value = item.partition("=")
         field = dict(w="obs_window", score="hh_score", span="span", v="weigh_values",
-                     mix="mix").get(key)
-        ok = (value in ("mean", "sum") if field == "hh_score" else value in ("0", "1")
-              if field == "weigh_values" else value.isdigit())
+                     mix="mix", obj="objective", center="center",
+                     scale="scale", both="both").get(key)
+        words = dict(hh_score=("mean", "sum"), both=("min", "mean"),
+                     objective=("linear", "squared"), weigh_values=("0", "1"))
+        ok = value in words[field] if field in words else value.isdigit()
         if field is None or not ok:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
-                             "span=N, v=0|1, mix=ROWS, N a whole number")
-        out[field] = (value if field == "hh_score" else bool(int(value)) if field == "weigh_values"
+                             "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
+                             "scale=0|1, both=min|mean, N a whole number")
+        out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else int(value))
     return out
 
@@ -111,6 +126,237 @@ def mixed_profile(rows: int, span: int = generation.SPAN):
         yield
 
 
+def centered(sums: Profile, v) -> Profile:
+    """`profiling.weigh` by |v_j - o|, o the head's mean output over the rows
+    read, rather than |v_j|: dropping token j moves the renormalized output by
+    a_j (v_j - o) / recovered, so a token whose value is the output's own costs
+    nothing, and the sink (a small value) costs its attention times |o|."""
+    vs = v.float().flatten(0, 1)  # (S, T, D)
+    o = (sums.colsum[..., None] * vs).sum(1, keepdim=True) / sums.colsum.sum(1)[:, None, None]
+    w = (vs - o).norm(dim=-1)
+    w = w * sums.colsum.sum(1, keepdim=True) / (sums.colsum * w).sum(1, keepdim=True).clamp(
+        min=1e-12)
+    return Profile(sums.colsum * w, {r: b * w for r, b in sums.bands.items()}, sums.rows,
+                   sums.last * w)
+
+
+@contextmanager
+def head_scale(center: bool):
+    """While it lasts, a head's recovery counts in the knapsack by what its
+    output stands to lose: the attention lost is scaled by the head's mean
+    weight |v_j| (|v_j - o| with `center`) over the attention read, relative
+    to the mean over the heads of the layers deciding together, where
+    `profiling.weigh` normalizes every head to the same mass."""
+    def scaled_weigh(sums, v):
+        vs = v.float().flatten(0, 1)
+        w = vs.norm(dim=-1)
+        if center:
+            o = (sums.colsum[..., None] * vs).sum(1, keepdim=True) / sums.colsum.sum(1)[
+                :, None, None]
+            w = (vs - o).norm(dim=-1)
+        m = (sums.colsum * w).sum(1) / sums.colsum.sum(1).clamp(min=1e-12)
+        got = (centered if center else weigh)(sums, v)
+        got.scale = m / m.mean()
+        return got
+
+    def scaled_recoveries(policies_, prompt, prof, sink=True):
+        r = recoveries(policies_, prompt, prof, sink)
+        scale = getattr(prof, "scale", None)
+        return r if scale is None else 1 - scale[:, None] * (1 - r)
+    with mock.patch.object(fastgen_cache, "weigh", scaled_weigh), \
+            mock.patch.object(fastgen_cache, "recoveries", scaled_recoveries):
+        yield
+
+
+def window_errors(model, recorders, keeps, P: int, rows: int = 32) -> torch.Tensor:
+    """(L * S, M) `output_errors` of each policy's keep (M, L * S, P) on the
+    prompt's last `rows` rows instead of the decode rows: what the prompt can
+    estimate of it."""
+    L = len(recorders)
+    out = []
+    for layer, r, kp in zip(model.layers, recorders, keeps.view(len(keeps), L, -1, P).unbind(1)):
+        q, k, v = (x.float()[:, :, :P] for x in r.qkv)
+        B, H, T, D = q.shape
+        K = k.shape[1]
+        G = H // K
+        qw = q[:, :, P - rows:].reshape(B, K, G, rows, D)
+        a = (qw @ k.transpose(-1, -2)[:, :, None]) / math.sqrt(D)  # (B, K, G, R, P)
+        causal = torch.arange(P)[None] <= torch.arange(P - rows, P)[:, None]
+        a = a.masked_fill(~causal, -math.inf).softmax(-1)
+        wo = layer.attention.wo.weight.float().view(-1, K, G, D)
+        errs = []
+        for m in kp:  # (S, P)
+            kept = a * m.view(B, K, 1, 1, P)
+            kept = kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)
+            diff = (kept - a) @ v[:, :, None]
+            proj = torch.einsum("bkgnd,ekgd->bkgne", diff, wo)
+            errs.append(proj.pow(2).sum((-1, -2, -3)).flatten())
+        out.append(torch.stack(errs, 1))
+    return torch.cat(out)
+
+
+def output_errors(model, recorders, keep, P: int) -> torch.Tensor:
+    """(L * S,) what keeping `keep` (L * S, P) of the prompt moves each segment's
+    attention output by, through the layer's output projection: the squared
+    error summed over the decode rows (every row after P) and the segment's
+    query heads, every new token kept."""
+    out = []
+    L = len(recorders)
+    for layer, r, kp in zip(model.layers, recorders, keep.view(L, -1, P)):
+        q, k, v = (x.float() for x in r.qkv)
+        B, H, T, D = q.shape
+        K = k.shape[1]
+        G = H // K
+        qd = q[:, :, P:].view(B, K, G, T - P, D)
+        a = (qd @ k.transpose(-1, -2)[:, :, None]) / math.sqrt(D)  # (B, K, G, N, T)
+        causal = torch.arange(T)[None] <= torch.arange(P, T)[:, None]  # (N, T)
+        a = a.masked_fill(~causal, -math.inf).softmax(-1)
+        mask = torch.cat([kp.view(B, K, P), kp.new_ones(B, K, T - P)], -1)[:, :, None, None]
+        kept = a * mask
+        kept = kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)
+        diff = (kept - a) @ v[:, :, None]  # (B, K, G, N, D)
+        wo = layer.attention.wo.weight.float().view(-1, K, G, D)  # (dim, K, G, D)
+        proj = torch.einsum("bkgnd,ekgd->bkgne", diff, wo)
+        out.append(proj.pow(2).sum((-1, -2, -3)).flatten())  # (B * K,)
+    return torch.cat(out)
+
+
+@contextmanager
+def every_row_recoveries(how: str, rows: int = 32):
+    """While it lasts, a cache that profiles every row (w=0) keeps the last
+    `rows` rows' profile for its scores and keeps (as the default), and
+    estimates each policy's recovery from both profiles, weighed: their `min`
+    (a policy must serve the whole prompt's rows and the last ones) or `mean`."""
+    stash = {}
+    inner_profile, inner_rec = fastgen_cache.profile_layers, fastgen_cache.recoveries
+
+    def profile(caches):
+        every = inner_profile(caches)
+        q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
+        first = caches[0]
+        window = attention_sums(q, k, first.prompt_lens.repeat(len(caches)),
+                                fastgen_cache.banded(first.policies), rows)
+        stash["every"] = weigh(every, v) if first.weigh_values else every
+        return window
+
+    def rec(policies_, prompt, prof, sink=True):
+        a = inner_rec(policies_, prompt, prof, sink)
+        b = inner_rec(policies_, prompt, stash["every"], sink)
+        return torch.minimum(a, b) if how == "min" else (a + b) / 2
+    decide = fastgen_cache.decide
+
+    def deciding(caches):  # inside evaluate's from_record, which patches profile_layers
+        nonlocal inner_profile
+        inner_profile = fastgen_cache.profile_layers
+        with mock.patch.object(fastgen_cache, "profile_layers", profile):
+            decide(caches)
+    with mock.patch.object(fastgen_cache, "decide", deciding), \
+            mock.patch.object(fastgen_cache, "recoveries", rec):
+        yield
+
+
+def plan_of(model, prompts, options, flags, new_tokens: int) -> dict:
+    """How `options`' caches compress `prompts`, as `cache.decide` leaves it:
+    the prompt's slots (L * S, P), each segment's policy, the recoveries the
+    knapsack was given and its costs and budgets, every policy's keep."""
+    seen = dict(prompt=[], choice=[], est=[], costs=[], budgets=[])
+    inner_compress, inner_fit = fastgen_cache.compress, fastgen_cache.fit_budgets
+
+    def compress(caches, prompt, keeps, growth):
+        seen["prompt"].append(prompt)
+        seen["choice"] += [c.choice for c in caches]
+        seen["est"] += [c.recovery for c in caches if c.recovery is not None]
+        seen["policies"] = caches[0].policies
+        return inner_compress(caches, prompt, keeps, growth)
+
+    def fit(values, costs, budgets, **kw):
+        seen["costs"].append(costs)
+        seen["budgets"] += budgets
+        return inner_fit(values, costs, budgets, **kw)
+    with mock.patch.object(fastgen_cache, "compress", compress), \
+            mock.patch.object(fastgen_cache, "fit_budgets", fit):
+        rec = evaluate.record(model, prompts)
+        caches = generation.make_caches(model, options, rec[3].tolist(), new_tokens, flags)
+        for c, r in zip(caches, rec[0]):
+            c(*r.qkv, rec[2], rec[1])
+    parts = seen["prompt"]
+    seen["prompt"] = Slots(*[None if getattr(parts[0], n) is None else
+                             torch.cat([getattr(x, n) for x in parts])
+                             for n in ("pos", "score", "flags", "seen", "prompt_len",
+                                       "first_query", "last")])
+    for key in ("choice", "est", "costs"):
+        seen[key] = torch.cat(seen[key]) if seen[key] else None
+    seen["keeps"] = torch.stack([seen["prompt"].keeps(p) for p in seen["policies"]])
+    return seen
+
+
+@torch.no_grad()
+def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
+    """What the prompt's profile promised against what decoding needed, head by
+    head. For FastGen's plans (its knapsack's two objectives) and `h2o`'s, each
+    segment's recovery of its policy's prompt keep as profiling estimated it
+    and as the next `new_tokens` queries of the true text read the prompt
+    (weighed by value norms as the cache weighs; Local windows moving with the
+    rows), and what the keep moves the attention outputs of those queries by
+    through the output projection (`output_errors`, every new token kept).
+    Beside them, the plans the knapsack would pick from the linear plan's menu
+    knowing the decode queries' recoveries (`hindsight`) or from each policy's
+    output error on the prompt's last 32 rows (`window_errors`). Per budget:
+    means, sums and the families of policies chosen."""
+    P = len(texts[0]) - new_tokens
+    rec = evaluate.record(model, texts)
+    recorders, full_lens = rec[0], rec[3]
+    ratios = local_ratios(generation.menu() + [policies.baseline("h2o", b) for b in budgets])
+    decode = []  # the decode rows over the prompt's keys, weighed, (S, P) per layer
+    for r in recorders:
+        q, k, v = r.qkv
+        s = attention_sums(q, k, full_lens, ratios, new_tokens)
+        cut = weigh(Profile(s.colsum[:, :P], {x: b[:, :P] for x, b in s.bands.items()}, s.rows,
+                            s.last[:, :P]), v[:, :, :P])
+        cut.rows = cut.colsum.sum(1)
+        decode.append(cut)
+    decode = Profile(torch.cat([d.colsum for d in decode]),
+                     {x: torch.cat([d.bands[x] for d in decode]) for x in ratios},
+                     torch.cat([d.rows for d in decode]), torch.cat([d.last for d in decode]))
+    prompts, out = [t[:P] for t in texts], {}
+    for b in budgets:
+        plans = {name: plan_of(model, prompts, generation.CacheOptions(kind, kv_budget=b, **kw),
+                               flags, new_tokens)
+                 for name, kind, kw in (("linear", "fastgen", dict(objective="linear")),
+                                        ("squared", "fastgen", {}), ("h2o", "h2o", {}))}
+        every = torch.arange(len(plans["h2o"]["choice"]))
+        for p in plans.values():
+            p["true"] = recoveries(p["policies"], p["prompt"], decode)  # (L * S, M)
+            p["err"] = output_errors(model, recorders, p["keeps"][p["choice"], every], P)
+        row = {}
+        for name, p in plans.items():
+            true = p["true"][every, p["choice"]]
+            row[name] = dict(decode=float(true.mean()), error=float(p["err"].sum()),
+                             worst_tenth=float(true.sort().values[:len(true) // 10].mean()))
+            if p["est"] is not None:
+                est = p["est"][every, p["choice"]]
+                row[name]["est"] = float(est.mean())
+                families = {}
+                for i, m in enumerate(p["choice"].tolist()):
+                    kinds = "+".join(type(x).__name__ for x in p["policies"][m].members())
+                    families.setdefault(kinds, []).append(i)
+                row[name]["by_family"] = {
+                    n: dict(heads=len(i), est=float(est[i].mean()),
+                            decode=float(true[i].mean()), error=float(p["err"][i].sum()),
+                            h2o_error=float(plans["h2o"]["err"][i].sum()))
+                    for n, i in sorted(families.items(), key=lambda x: -len(x[1]))}
+        f = plans["linear"]
+        L, M = len(recorders), len(f["policies"])
+        for name, values in (("hindsight", f["true"]),
+                             ("window_errors", -window_errors(model, recorders, f["keeps"], P))):
+            pick = fastgen_cache.fit_budgets(values.view(L, -1, M), f["costs"],
+                                             f["budgets"]).flatten()
+            err = output_errors(model, recorders, f["keeps"][pick, every], P)
+            row[name] = dict(decode=float(f["true"][every, pick].mean()), error=float(err.sum()))
+        out[f"b={b:g}"] = row
+    return out
+
+
 @torch.no_grad()
 def value_norms(model, texts, rows: int = 32) -> dict:
     """Why weighing attention by value norms changes the choice: per layer, the
@@ -135,7 +381,7 @@ def value_norms(model, texts, rows: int = 32) -> dict:
 
 def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=12,
          prompt_len=768, new_tokens=64, threads=1, out="results/evaluate/menu_variants",
-         ckpt=None, norms: bool = False) -> dict:
+         ckpt=None, norms: bool = False, heads: bool = False) -> dict:
     from generation import flags_of, load
     from studies.textdata import prompts
     torch.set_num_threads(threads)
@@ -146,6 +392,12 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
     if norms:
         got = value_norms(model, [t[:prompt_len] for t in texts])
         print(json.dumps(got))
+        return got
+    if heads:
+        got = hindsight(model, texts, flags, new_tokens, budgets)
+        print(json.dumps(got, indent=1))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).with_suffix(".json").write_text(json.dumps(got, indent=1))
         return got
     rows = {}
     fixed = [Config("full", "full", {})] + [Config(f"h2o b={b:g}", "h2o", {"kv_budget": b})
@@ -158,12 +410,19 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
             generation.menu = menu_of(name)  # what make_caches builds the budget mode from
             opts = options(spec)
             mix = opts.pop("mix", 0)
+            center, scale = opts.pop("center", 0), opts.pop("scale", 0)
+            both = opts.pop("both", None)
+            if both:
+                opts["obs_window"] = 0
             if mix:  # of attention alone: profiling.weigh would drop its scores
                 opts["weigh_values"] = False
             cfgs = [Config("full", "full", {})] + [
                 Config(f"fastgen[{v}] b={b:g}", "fastgen", {"kv_budget": b, **opts})
                 for b in budgets]
-            with mixed_profile(mix) if mix else nullcontext():
+            with mixed_profile(mix) if mix else nullcontext(), \
+                    head_scale(bool(center)) if scale else mock.patch.object(
+                        fastgen_cache, "weigh", centered) if center else nullcontext(), \
+                    every_row_recoveries(both) if both else nullcontext():
                 got = evaluate.text_quality(model, texts, new_tokens, cfgs, flags, windows,
                                             0.3, 0.3)
             rows |= {n: r for n, r in got.items() if n != "full"}
@@ -184,9 +443,9 @@ def parse_args(argv=None):
         "\n")[0], epilog="Variants: MENU[:OPTIONS], see the module's docstring.")
     p.add_argument("--ckpt", help="checkpoint folder (default SmolLM2-135M-Instruct)")
     p.add_argument("--text", default="usenet", choices=evaluate.SOURCES, help="real text (usenet)")
-    p.add_argument("--variants", nargs="+", default=["default"], help="MENU[:w=ROWS/score=mean|"
-                   "sum/span=N/v=0|1/mix=ROWS]; MENU: default, default-floor, no-local, h2o, "
-                   "h2o-floor")
+    p.add_argument("--variants", nargs="+", default=["default"], help="MENU[:OPTIONS], as the "
+                   "module's docstring says; MENU: default, default-floor, no-local, no-tova, "
+                   "h2o, h2o-floor")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="(0.25 0.5)")
     p.add_argument("--windows", type=int, default=12, help="text windows (12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
@@ -194,6 +453,9 @@ def parse_args(argv=None):
     p.add_argument("--norms", action="store_true", help="instead, print how the first token's "
                    "value norm compares with the others' and its share of the attention, plain "
                    "and weighed by value norms, per layer (`value_norms`)")
+    p.add_argument("--heads", action="store_true", help="instead, compare each head's recovery "
+                   "as the prompt's profile estimates it and as decoding needs it, for FastGen's "
+                   "plan, h2o's and the plan chosen in hindsight (`hindsight`)")
     a = p.parse_args(argv)
     for v in a.variants:  # a bad variant is a usage error, not a traceback an hour later
         name, _, spec = v.partition(":")

@@ -1,10 +1,11 @@
 """The byte-budget selection: an exact knapsack, one menu item per segment."""
 import itertools
+import math
 
 import pytest
 import torch
 
-from profiling import fit_budget, fit_budgets
+from profiling import fit_budget, fit_budgets, squared_losses
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -41,3 +42,48 @@ def test_layers_side_by_side_as_each_alone():
     together = fit_budgets(values, costs, budgets, resolution=512)
     for i in range(L):
         assert torch.equal(together[i], fit_budget(values[i], costs[i], budgets[i], resolution=512))
+
+
+def test_squared_losses_spread_what_a_sum_of_recoveries_concentrates():
+    """Two heads, a cheap, a middle and a whole policy each: the sum of
+    recoveries takes the cheap one for one head and the whole for the other
+    (0.8 + 1.0 > 0.89 + 0.89); the squared losses take the middle for both
+    (0.04 > 2 * 0.0121)."""
+    recovery = torch.tensor([[0.8, 0.89, 1.0]] * 2)
+    costs = torch.tensor([[1, 2, 3]] * 2)
+    assert fit_budget(recovery, costs, 4).sort().values.tolist() == [0, 2]
+    assert fit_budget(squared_losses(recovery), costs, 4).tolist() == [1, 1]
+    # Never worth -inf more (a policy the segment may not take) and never above 0.
+    r = torch.tensor([-math.inf, -1.0, 0.0, 0.5, 1.0, 1.2])
+    assert squared_losses(r).tolist() == [-math.inf, -4.0, -1.0, -0.25, 0.0, 0.0]
+
+
+@torch.no_grad()
+def test_the_cache_s_knapsack_maximizes_its_objective(monkeypatch):
+    """FastGenCache(objective=...) hands the knapsack the recoveries
+    ("linear") or their squared losses ("squared"), from the same profile."""
+    import cache as cache_module
+    from test_cache import greedy, prompts_of, random_flags, tiny_model
+    from test_quant import MENU
+    seen = {}
+    real = cache_module.fit_budgets
+
+    def spy(values, costs, budgets, *args):
+        seen.setdefault("values", []).append(values.clone())
+        return real(values, costs, budgets, *args)
+
+    monkeypatch.setattr(cache_module, "fit_budgets", spy)
+    model, lens = tiny_model(), [30, 22]
+    got = {}
+    for objective in ("linear", "squared"):
+        seen.clear()
+        caches = cache_module.fastgen_caches(model, MENU, lens, 4, random_flags(256, 2),
+                                             budget=0.4, objective=objective)
+        greedy(model, prompts_of(lens, seed=5), caches, 4)
+        got[objective] = (torch.cat(seen["values"]), torch.cat([c.recovery for c in caches]))
+    (linear, rec), (squared, rec2) = got["linear"], got["squared"]
+    assert torch.equal(rec, rec2)  # the same profile
+    assert torch.allclose(linear.flatten(0, 1), rec)
+    assert torch.allclose(squared.flatten(0, 1), squared_losses(rec))
+    with pytest.raises(ValueError, match="objective"):
+        cache_module.fastgen_caches(model, MENU, lens, 4, None, budget=0.4, objective="cubic")
