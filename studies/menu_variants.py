@@ -381,7 +381,8 @@ def value_norms(model, texts, rows: int = 32) -> dict:
 
 def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=12,
          prompt_len=768, new_tokens=64, threads=1, out="results/evaluate/menu_variants",
-         ckpt=None, norms: bool = False, heads: bool = False) -> dict:
+         ckpt=None, norms: bool = False, heads: bool = False,
+         evict_every: int | None = None) -> dict:
     from generation import flags_of, load
     from studies.textdata import prompts
     torch.set_num_threads(threads)
@@ -400,7 +401,8 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
         Path(out).with_suffix(".json").write_text(json.dumps(got, indent=1))
         return got
     rows = {}
-    fixed = [Config("full", "full", {})] + [Config(f"h2o b={b:g}", "h2o", {"kv_budget": b})
+    every = {} if evict_every is None else {"evict_every": evict_every}
+    fixed = [Config("full", "full", {})] + [Config(f"h2o b={b:g}", "h2o", {"kv_budget": b, **every})
                                             for b in budgets]
     rows |= evaluate.text_quality(model, texts, new_tokens, fixed, flags, windows, 0.3, 0.3)
     menu = generation.menu
@@ -417,7 +419,7 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
             if mix:  # of attention alone: profiling.weigh would drop its scores
                 opts["weigh_values"] = False
             cfgs = [Config("full", "full", {})] + [
-                Config(f"fastgen[{v}] b={b:g}", "fastgen", {"kv_budget": b, **opts})
+                Config(f"fastgen[{v}] b={b:g}", "fastgen", {"kv_budget": b, **every, **opts})
                 for b in budgets]
             with mixed_profile(mix) if mix else nullcontext(), \
                     head_scale(bool(center)) if scale else mock.patch.object(
@@ -430,8 +432,8 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
         generation.menu = menu
     for n, r in rows.items():
         print(f"{text} {n:40s} share {r['share']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}")
-    meta = dict(text=text, windows=windows, prompt_len=prompt_len, new_tokens=new_tokens,
-                machine=evaluate.machine(), torch=torch.__version__,
+    meta = dict(text=text, windows=windows, evict_every=evict_every, prompt_len=prompt_len,
+                new_tokens=new_tokens, machine=evaluate.machine(), torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d"), runtime_s=round(time.perf_counter() - t0))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
@@ -453,6 +455,8 @@ def parse_args(argv=None):
     p.add_argument("--norms", action="store_true", help="instead, print how the first token's "
                    "value norm compares with the others' and its share of the attention, plain "
                    "and weighed by value norms, per layer (`value_norms`)")
+    p.add_argument("--evict-every", type=int, help="steps between evictions for every row, "
+                   "h2o's included (default: the cache's; 1000: none in 64 steps)")
     p.add_argument("--heads", action="store_true", help="instead, compare each head's recovery "
                    "as the prompt's profile estimates it and as decoding needs it, for FastGen's "
                    "plan, h2o's and the plan chosen in hindsight (`hindsight`)")
