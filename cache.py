@@ -8,8 +8,9 @@ heads has B*K of them. The method, in the order it runs:
 2. Profile and choose (`decide`): how much of each segment's prompt attention
    every candidate policy recovers (profiling.py); each segment takes the
    shortlist's first policy that reaches the threshold T (the paper), or,
-   under a byte budget, the menu item that maximizes its layer's recovered
-   attention with all heads within the budget. A menu item may store its
+   under a byte budget, the menu items that lose its layer's heads the least
+   attention (the sum of their squared losses, or of their recoveries) with
+   all heads within the budget. A menu item may store its
    tokens in fewer bits (`bits`): it then costs fewer bytes a token and
    recovers less, by what rounding moves (profiling.precision_errors).
 3. Compress (`compress`): each segment keeps the prompt tokens its policy

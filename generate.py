@@ -304,7 +304,7 @@ def parse_args(argv=None):
                    "head takes the first policy of the shortlist that recovers this share T of "
                    "its prompt attention (with --paper, default 0.95)")
     p.add_argument("--kv-budget", type=float, help="fastgen (the default mode): each head "
-                   "takes the policy of the menu that maximizes the layer's recovered attention "
+                   "takes the policy of the menu that loses the least attention (--objective) "
                    "with all heads within this share of a full cache's tokens (with --kv-bits: "
                    "of its bytes in 16 bits) (default 0.5); "
                    "local/sink/h2o/tova/snapkv: share of the prompt each head keeps (default 0.5)")

@@ -473,9 +473,9 @@ def menu(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "mean",
     """What a head may take under a byte budget: the paper's shortlist and the
     fixed policies' shapes at several sizes, so that every fixed baseline is
     one point of it. Not Full: it buys the last percent of a head's recovery
-    with all of its tokens, and the knapsack, which sums recoveries, took it
-    for a fifth of the heads at B = 0.75 (KL 0.0089 with Full in the menu,
-    0.0020 without, 10 news windows)."""
+    with all of its tokens, and the knapsack, which then summed recoveries,
+    took it for a fifth of the heads at B = 0.75 (KL 0.0089 with Full in the
+    menu, 0.0020 without, 10 news windows)."""
     kinds = ("local", "sink", "h2o", "tova", "snapkv")
     shapes = [[baseline(kind, r, by) for r in ratios] for kind in kinds]
     return list(dict.fromkeys(shortlist(r_local, r_frequent, by)[:-1] + sum(shapes, [])))
