@@ -110,3 +110,29 @@ def test_menu_variants_run(tiny_ckpt, tmp_path):
     assert len(got["first_norm_ratio_by_layer"]) == 2  # the tiny model's layers
     assert 0 < got["first_share_weighed"] <= 1 and 0 < got["first_share_plain"] <= 1
 
+
+def test_menu_variants_estimates_and_hindsight(tiny_ckpt, tmp_path):
+    """The study's own estimates run and leave the cache as it was; --heads
+    gives, per budget, each plan's decode recovery and output error, the
+    hindsight plan recovering at least what the linear plan does (the same
+    menu, costs and knapsack, told the decode recoveries)."""
+    import cache
+    import profiling
+    from studies import menu_variants
+    kw = dict(ckpt=str(tiny_ckpt), text="pydoc", budgets=(0.5,), windows=2, prompt_len=40,
+              new_tokens=4)
+    rows = menu_variants.main(out=str(tmp_path / "mv"), evict_every=2, variants=[
+        "default:obj=linear", "no-tova", "default:center=1", "default:scale=1",
+        "default:both=min"], **kw)
+    assert len(rows) == 7 and all(r["kl"] >= 0 for r in rows.values())
+    for name in ("weigh", "recoveries", "fit_budgets", "compress", "decide", "profile_layers"):
+        assert getattr(cache, name).__module__ in ("cache", "profiling"), name
+    assert cache.weigh is profiling.weigh and cache.recoveries is profiling.recoveries
+    got = menu_variants.main(heads=True, out=str(tmp_path / "hs"), **kw)["b=0.5"]
+    assert set(got) == {"linear", "squared", "h2o", "hindsight", "window_errors"}
+    assert all(r["error"] >= 0 and 0 <= r["decode"] <= 1 + 1e-6 for r in got.values())
+    assert got["hindsight"]["decode"] >= got["linear"]["decode"] - 1e-6
+    assert sum(f["heads"] for f in got["linear"]["by_family"].values()) == 2 * 2 * 2
+    with pytest.raises(ValueError, match="obj=squared"):
+        menu_variants.options("obj=cubic")
+
