@@ -168,57 +168,35 @@ def head_scale(center: bool):
         yield
 
 
-def window_errors(model, recorders, keeps, P: int, rows: int = 32) -> torch.Tensor:
-    """(L * S, M) `output_errors` of each policy's keep (M, L * S, P) on the
-    prompt's last `rows` rows instead of the decode rows: what the prompt can
-    estimate of it."""
-    L = len(recorders)
-    out = []
-    for layer, r, kp in zip(model.layers, recorders, keeps.view(len(keeps), L, -1, P).unbind(1)):
-        q, k, v = (x.float()[:, :, :P] for x in r.qkv)
-        B, H, T, D = q.shape
-        K = k.shape[1]
-        G = H // K
-        qw = q[:, :, P - rows:].reshape(B, K, G, rows, D)
-        a = (qw @ k.transpose(-1, -2)[:, :, None]) / math.sqrt(D)  # (B, K, G, R, P)
-        causal = torch.arange(P)[None] <= torch.arange(P - rows, P)[:, None]
-        a = a.masked_fill(~causal, -math.inf).softmax(-1)
-        wo = layer.attention.wo.weight.float().view(-1, K, G, D)
-        errs = []
-        for m in kp:  # (S, P)
-            kept = a * m.view(B, K, 1, 1, P)
-            kept = kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)
-            diff = (kept - a) @ v[:, :, None]
-            proj = torch.einsum("bkgnd,ekgd->bkgne", diff, wo)
-            errs.append(proj.pow(2).sum((-1, -2, -3)).flatten())
-        out.append(torch.stack(errs, 1))
-    return torch.cat(out)
-
-
-def output_errors(model, recorders, keep, P: int) -> torch.Tensor:
-    """(L * S,) what keeping `keep` (L * S, P) of the prompt moves each segment's
-    attention output by, through the layer's output projection: the squared
-    error summed over the decode rows (every row after P) and the segment's
-    query heads, every new token kept."""
-    out = []
-    L = len(recorders)
-    for layer, r, kp in zip(model.layers, recorders, keep.view(L, -1, P)):
+def output_errors(model, recorders, keeps, P: int, rows: int | None = None) -> torch.Tensor:
+    """How far each keep of the prompt, keeps (M, L * S, P), moves the
+    attention outputs of some query rows through the layer's output
+    projection: the squared change summed over the rows and each segment's
+    query heads, (M, L * S). The rows: every one after the prompt's P, all
+    new tokens kept (None), or the prompt's last `rows`, over the prompt."""
+    out, L = [], len(recorders)
+    for layer, r, kp in zip(model.layers, recorders, keeps.unflatten(1, (L, -1)).unbind(1)):
         q, k, v = (x.float() for x in r.qkv)
-        B, H, T, D = q.shape
+        end = q.shape[2] if rows is None else P
+        first = P if rows is None else P - rows
+        B, H, _, D = q.shape
         K = k.shape[1]
         G = H // K
-        qd = q[:, :, P:].view(B, K, G, T - P, D)
-        a = (qd @ k.transpose(-1, -2)[:, :, None]) / math.sqrt(D)  # (B, K, G, N, T)
-        causal = torch.arange(T)[None] <= torch.arange(P, T)[:, None]  # (N, T)
+        k, v = k[:, :, :end], v[:, :, :end]
+        a = (q[:, :, first:end].reshape(B, K, G, end - first, D)
+             @ k.transpose(-1, -2)[:, :, None]) / math.sqrt(D)  # (B, K, G, N, end)
+        causal = torch.arange(end)[None] <= torch.arange(first, end)[:, None]
         a = a.masked_fill(~causal, -math.inf).softmax(-1)
-        mask = torch.cat([kp.view(B, K, P), kp.new_ones(B, K, T - P)], -1)[:, :, None, None]
-        kept = a * mask
-        kept = kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)
-        diff = (kept - a) @ v[:, :, None]  # (B, K, G, N, D)
         wo = layer.attention.wo.weight.float().view(-1, K, G, D)  # (dim, K, G, D)
-        proj = torch.einsum("bkgnd,ekgd->bkgne", diff, wo)
-        out.append(proj.pow(2).sum((-1, -2, -3)).flatten())  # (B * K,)
-    return torch.cat(out)
+        errs = []
+        for m in kp:  # (S, P): one keep per segment
+            mask = torch.cat([m.view(B, K, P), m.new_ones(B, K, end - P)], -1)
+            kept = a * mask[:, :, None, None]
+            kept = kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)
+            diff = torch.einsum("bkgnd,ekgd->bkgne", (kept - a) @ v[:, :, None], wo)
+            errs.append(diff.pow(2).sum((-1, -2, -3)).flatten())
+        out.append(torch.stack(errs))
+    return torch.cat(out, 1)
 
 
 @contextmanager
@@ -327,7 +305,8 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
         every = torch.arange(len(plans["h2o"]["choice"]))
         for p in plans.values():
             p["true"] = recoveries(p["policies"], p["prompt"], decode)  # (L * S, M)
-            p["err"] = output_errors(model, recorders, p["keeps"][p["choice"], every], P)
+            p["err"] = output_errors(model, recorders, p["keeps"][p["choice"], every][None],
+                                     P)[0]
         row = {}
         for name, p in plans.items():
             true = p["true"][every, p["choice"]]
@@ -347,11 +326,11 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
                     for n, i in sorted(families.items(), key=lambda x: -len(x[1]))}
         f = plans["linear"]
         L, M = len(recorders), len(f["policies"])
-        for name, values in (("hindsight", f["true"]),
-                             ("window_errors", -window_errors(model, recorders, f["keeps"], P))):
+        window = output_errors(model, recorders, f["keeps"], P, rows=32).T  # (L * S, M)
+        for name, values in (("hindsight", f["true"]), ("window_errors", -window)):
             pick = fastgen_cache.fit_budgets(values.view(L, -1, M), f["costs"],
                                              f["budgets"]).flatten()
-            err = output_errors(model, recorders, f["keeps"][pick, every], P)
+            err = output_errors(model, recorders, f["keeps"][pick, every][None], P)[0]
             row[name] = dict(decode=float(f["true"][every, pick].mean()), error=float(err.sum()))
         out[f"b={b:g}"] = row
     return out
