@@ -19,9 +19,9 @@ cache's own `w=ROWS` (0: every row), `score=mean|sum`, `span=N`, `v=0|1`
 `obj=squared|linear` (the knapsack's `--objective`); and the study's own
 estimates: `mix=ROWS` (with w=0, every row's profile mixed with the last
 ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
-`scale=1` (heads priced by their values' size, `head_scale`), `both=min|mean`
-(recoveries from the last 32 rows' profile and every row's,
-`every_row_recoveries`). Prints a line per variant and budget and writes
+`scale=1` (heads priced by their values' size, `head_scale`),
+`both=min|mean|local` (recoveries from the last 32 rows' profile and every
+row's, `every_row_recoveries`). Prints a line per variant and budget and writes
 OUT.json. `--heads` compares, head by head, what the prompt's profile
 promised with what decoding needed (`hindsight`).
 """
@@ -77,13 +77,13 @@ def options(spec: str) -> dict:
         field = dict(w="obs_window", score="hh_score", span="span", v="weigh_values",
                      mix="mix", obj="objective", center="center",
                      scale="scale", both="both").get(key)
-        words = dict(hh_score=("mean", "sum"), both=("min", "mean"),
+        words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
         ok = value in words[field] if field in words else value.isdigit()
         if field is None or not ok:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
-                             "scale=0|1, both=min|mean, N a whole number")
+                             "scale=0|1, both=min|mean|local, N a whole number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else int(value))
     return out
@@ -204,7 +204,8 @@ def every_row_recoveries(how: str, rows: int = 32):
     """While it lasts, a cache that profiles every row (w=0) keeps the last
     `rows` rows' profile for its scores and keeps (as the default), and
     estimates each policy's recovery from both profiles, weighed: their `min`
-    (a policy must serve the whole prompt's rows and the last ones) or `mean`."""
+    (a policy must serve the whole prompt's rows and the last ones), `mean`,
+    or the min for the shapes with a Local window alone (`local`)."""
     stash = {}
     inner_profile, inner_rec = fastgen_cache.profile_layers, fastgen_cache.recoveries
 
@@ -220,6 +221,10 @@ def every_row_recoveries(how: str, rows: int = 32):
     def rec(policies_, prompt, prof, sink=True):
         a = inner_rec(policies_, prompt, prof, sink)
         b = inner_rec(policies_, prompt, stash["every"], sink)
+        if how == "local":  # the smaller only for the shapes with a Local window
+            local = torch.tensor([any(isinstance(m, policies.Local) for m in p.members())
+                                  for p in policies_])
+            return torch.where(local, torch.minimum(a, b), a)
         return torch.minimum(a, b) if how == "min" else (a + b) / 2
     decide = fastgen_cache.decide
 
