@@ -126,18 +126,19 @@ def mixed_profile(rows: int, span: int = generation.SPAN):
         yield
 
 
+def off_mean(sums: Profile, v) -> torch.Tensor:
+    """v (B, K, T, D) less each head's mean output over the rows read, o =
+    sum_j colsum_j v_j / sum_j colsum_j."""
+    w = sums.colsum.view(*v.shape[:3], 1)
+    return v.float() - (w * v.float()).sum(2, keepdim=True) / w.sum(2, keepdim=True)
+
+
 def centered(sums: Profile, v) -> Profile:
     """`profiling.weigh` by |v_j - o|, o the head's mean output over the rows
     read, rather than |v_j|: dropping token j moves the renormalized output by
     a_j (v_j - o) / recovered, so a token whose value is the output's own costs
     nothing, and the sink (a small value) costs its attention times |o|."""
-    vs = v.float().flatten(0, 1)  # (S, T, D)
-    o = (sums.colsum[..., None] * vs).sum(1, keepdim=True) / sums.colsum.sum(1)[:, None, None]
-    w = (vs - o).norm(dim=-1)
-    w = w * sums.colsum.sum(1, keepdim=True) / (sums.colsum * w).sum(1, keepdim=True).clamp(
-        min=1e-12)
-    return Profile(sums.colsum * w, {r: b * w for r, b in sums.bands.items()}, sums.rows,
-                   sums.last * w)
+    return weigh(sums, off_mean(sums, v))
 
 
 @contextmanager
@@ -148,12 +149,7 @@ def head_scale(center: bool):
     to the mean over the heads of the layers deciding together, where
     `profiling.weigh` normalizes every head to the same mass."""
     def scaled_weigh(sums, v):
-        vs = v.float().flatten(0, 1)
-        w = vs.norm(dim=-1)
-        if center:
-            o = (sums.colsum[..., None] * vs).sum(1, keepdim=True) / sums.colsum.sum(1)[
-                :, None, None]
-            w = (vs - o).norm(dim=-1)
+        w = (off_mean(sums, v) if center else v.float()).norm(dim=-1).flatten(0, 1)
         m = (sums.colsum * w).sum(1) / sums.colsum.sum(1).clamp(min=1e-12)
         got = (centered if center else weigh)(sums, v)
         got.scale = m / m.mean()
