@@ -203,7 +203,8 @@ def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent,
                  reference=1.0) -> dict:
     """Per config: KL, top-1 agreement, perplexity and bytes share over the
     windows; the share against the full cache's bytes times `reference`."""
-    acc = {c.name: dict(kl=0.0, top1=0.0, nll=0.0, bytes=0, full_bytes=0, kept=0.0) for c in cfgs}
+    acc = {c.name: dict(kl=0.0, kl_first=0.0, top1=0.0, nll=0.0, bytes=0, full_bytes=0, kept=0.0)
+           for c in cfgs}
     for chunk in tqdm(batches(windows, batch), desc="text batches", leave=False):
         follow = torch.tensor([w[-n_new:] for w in chunk])  # (B, N)
         rec = record(model, [w[:-n_new] for w in chunk])
@@ -214,15 +215,21 @@ def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent,
             if ref is None:  # the full cache comes first: the reference
                 ref, full_bytes = logp, nbytes * reference
             a = acc[c.name]
-            a["kl"] += F.kl_div(logp, ref, log_target=True, reduction="none").sum(-1).sum().item()
+            kl = F.kl_div(logp, ref, log_target=True, reduction="none").sum(-1)  # (B, N)
+            a["kl"] += kl.sum().item()
+            a["kl_first"] += kl[:, :n_new // 2].sum().item()
             a["top1"] += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
             a["nll"] -= logp.gather(-1, follow[..., None]).sum().item()
             a["bytes"] += nbytes
             a["full_bytes"] += full_bytes
             a["kept"] += kept * len(chunk)
         del rec
-    count = len(windows) * n_new
-    return {name: dict(kl=a["kl"] / count, top1=a["top1"] / count,
+    count, half = len(windows) * n_new, len(windows) * (n_new // 2)
+    # The KL of the first and the second half of the new tokens apart: how
+    # the loss falls on the tokens right after the prompt and on later ones.
+    halves = lambda a: [a["kl_first"] / max(half, 1),  # noqa: E731
+                        (a["kl"] - a["kl_first"]) / max(count - half, 1)]
+    return {name: dict(kl=a["kl"] / count, kl_halves=halves(a), top1=a["top1"] / count,
                        ppl=math.exp(a["nll"] / count), share=a["bytes"] / a["full_bytes"],
                        kept=a["kept"] / len(windows)) for name, a in acc.items()}
 

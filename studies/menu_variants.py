@@ -11,7 +11,8 @@ Each variant here changes some of them, on the windows and the scoring of
     python -m studies.menu_variants --text usenet --variants default h2o h2o:w=0/score=sum/span=1
 
 A variant is MENU[:OPTIONS]: MENU one of `default` (the budget mode's menu),
-`no-local` (without the Local and Sink shapes), `no-tova` (without TOVA),
+`no-local` (without the Local and Sink shapes), `no-sink` (without the
+Sink shapes, StreamingLLM's), `no-tova` (without TOVA),
 `h2o` (h2o's shape at the menu's seven sizes), `h2o-floor` and
 `default-floor` (sizes of 0.2 and up only). OPTIONS, `/`-separated: the
 cache's own `w=ROWS` (0: every row), `score=mean|sum`, `span=N`, `v=0|1`
@@ -43,7 +44,8 @@ import cache as fastgen_cache
 import generation
 import policies
 from policies import Slots
-from profiling import Profile, attention_sums, carried, local_ratios, recoveries, weigh
+from profiling import (Profile, attention_sums, carried, local_ratios, recoveries,
+                       squared_losses, weigh)
 from studies import evaluate
 from studies.evaluate import Config
 
@@ -59,13 +61,16 @@ def menu_of(name: str):
         if name == "no-local":
             shapes = [policies.baseline(k, r, by) for k in ("h2o", "tova", "snapkv") for r in sizes]
             return list(dict.fromkeys(policies.shortlist(r_local, r_frequent, by)[:-1] + shapes))
+        if name == "no-sink":  # without StreamingLLM's shape, Sink | Local
+            return [p for p in policies.menu(r_local, r_frequent, by, sizes)
+                    if {type(m) for m in p.members()} != {policies.Sink, policies.Local}]
         if name == "no-tova":
             return [p for p in policies.menu(r_local, r_frequent, by, sizes)
                     if not isinstance(p, policies.TOVA)]
         if name in ("h2o", "h2o-floor"):
             return [policies.baseline("h2o", r, by) for r in sizes]
-        raise ValueError(f"unknown menu {name!r}: default, default-floor, no-local, no-tova, "
-                         "h2o, h2o-floor")
+        raise ValueError(f"unknown menu {name!r}: default, default-floor, no-local, no-sink, "
+                         "no-tova, h2o, h2o-floor")
     return menu
 
 
@@ -164,17 +169,19 @@ def head_scale(center: bool):
         yield
 
 
-def output_errors(model, recorders, keeps, P: int, rows: int | None = None) -> torch.Tensor:
+def output_errors(model, recorders, keeps, P: int, rows: int | None = None,
+                  skip: int = 0) -> torch.Tensor:
     """How far each keep of the prompt, keeps (M, L * S, P), moves the
     attention outputs of some query rows through the layer's output
     projection: the squared change summed over the rows and each segment's
-    query heads, (M, L * S). The rows: every one after the prompt's P, all
-    new tokens kept (None), or the prompt's last `rows`, over the prompt."""
+    query heads, (M, L * S). The rows: every one after the prompt's P but the
+    first `skip`, all new tokens kept (None), or the prompt's last `rows`,
+    over the prompt."""
     out, L = [], len(recorders)
     for layer, r, kp in zip(model.layers, recorders, keeps.unflatten(1, (L, -1)).unbind(1)):
         q, k, v = (x.float() for x in r.qkv)
         end = q.shape[2] if rows is None else P
-        first = P if rows is None else P - rows
+        first = P + skip if rows is None else P - rows
         B, H, _, D = q.shape
         K = k.shape[1]
         G = H // K
@@ -269,6 +276,27 @@ def plan_of(model, prompts, options, flags, new_tokens: int) -> dict:
     return seen
 
 
+BACK = 64  # the prompt rows a backtest reads
+
+
+def later_rows(recorders, end: int, rows: int, upto: int, ratios) -> Profile:
+    """What the `rows` rows before `end` read of the keys before `upto`, every
+    layer's segments stacked, weighed by value norms as the cache weighs, and
+    counted against that attention alone (what a keep made at `upto` could
+    recover; the tokens after it are all kept)."""
+    parts = []
+    for r in recorders:
+        q, k, v = (x[:, :, :end] for x in r.qkv)
+        s = attention_sums(q, k, torch.full((q.shape[0],), end), ratios, rows)
+        cut = weigh(Profile(s.colsum[:, :upto], {x: b[:, :upto] for x, b in s.bands.items()},
+                            s.rows, s.last[:, :upto]), v[:, :, :upto])
+        cut.rows = cut.colsum.sum(1)
+        parts.append(cut)
+    return Profile(torch.cat([d.colsum for d in parts]),
+                   {x: torch.cat([d.bands[x] for d in parts]) for x in ratios},
+                   torch.cat([d.rows for d in parts]), torch.cat([d.last for d in parts]))
+
+
 @torch.no_grad()
 def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
     """What the prompt's profile promised against what decoding needed, head by
@@ -279,24 +307,24 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
     rows), and what the keep moves the attention outputs of those queries by
     through the output projection (`output_errors`, every new token kept).
     Beside them, the plans the knapsack would pick from the linear plan's menu
-    knowing the decode queries' recoveries (`hindsight`) or from each policy's
-    output error on the prompt's last 32 rows (`window_errors`). Per budget:
-    means, sums and the families of policies chosen."""
+    knowing the decode queries' recoveries (`hindsight`), knowing the first
+    half of them only (`hindsight_half`, and with the squared losses), from
+    each policy's output error on the prompt's last 32 rows (`window_errors`),
+    or from a backtest: the recoveries of the keeps the prompt less its last
+    BACK tokens would make, read by those BACK rows (`backtest`, its min and
+    mean with the recoveries promised). Every plan's error is also taken over
+    the second half of the decode rows alone (`late_error`), which the
+    `hindsight_half` plan was not told. Per budget: means, sums and the
+    families of policies chosen."""
     P = len(texts[0]) - new_tokens
     rec = evaluate.record(model, texts)
-    recorders, full_lens = rec[0], rec[3]
+    recorders = rec[0]
     ratios = local_ratios(generation.menu() + [policies.baseline("h2o", b) for b in budgets])
-    decode = []  # the decode rows over the prompt's keys, weighed, (S, P) per layer
-    for r in recorders:
-        q, k, v = r.qkv
-        s = attention_sums(q, k, full_lens, ratios, new_tokens)
-        cut = weigh(Profile(s.colsum[:, :P], {x: b[:, :P] for x, b in s.bands.items()}, s.rows,
-                            s.last[:, :P]), v[:, :, :P])
-        cut.rows = cut.colsum.sum(1)
-        decode.append(cut)
-    decode = Profile(torch.cat([d.colsum for d in decode]),
-                     {x: torch.cat([d.bands[x] for d in decode]) for x in ratios},
-                     torch.cat([d.rows for d in decode]), torch.cat([d.last for d in decode]))
+    decode = later_rows(recorders, len(texts[0]), new_tokens, P, ratios)
+    nb = min(BACK, P // 4)
+    back = later_rows(recorders, P, nb, P - nb, ratios)  # the prompt's last nb rows
+    half = new_tokens // 2  # told the first half of the decode rows, scored on the second
+    early_decode = later_rows(recorders, P + half, half, P, ratios)
     prompts, out = [t[:P] for t in texts], {}
     for b in budgets:
         plans = {name: plan_of(model, prompts, generation.CacheOptions(kind, kv_budget=b, **kw),
@@ -308,10 +336,13 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
             p["true"] = recoveries(p["policies"], p["prompt"], decode)  # (L * S, M)
             p["err"] = output_errors(model, recorders, p["keeps"][p["choice"], every][None],
                                      P)[0]
+            p["late"] = output_errors(model, recorders, p["keeps"][p["choice"], every][None],
+                                      P, skip=half)[0]
         row = {}
         for name, p in plans.items():
             true = p["true"][every, p["choice"]]
             row[name] = dict(decode=float(true.mean()), error=float(p["err"].sum()),
+                             late_error=float(p["late"].sum()),
                              worst_tenth=float(true.sort().values[:len(true) // 10].mean()))
             if p["est"] is not None:
                 est = p["est"][every, p["choice"]]
@@ -323,16 +354,33 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
                 row[name]["by_family"] = {
                     n: dict(heads=len(i), est=float(est[i].mean()),
                             decode=float(true[i].mean()), error=float(p["err"][i].sum()),
-                            h2o_error=float(plans["h2o"]["err"][i].sum()))
+                            h2o_error=float(plans["h2o"]["err"][i].sum()),
+                            late_error=float(p["late"][i].sum()),
+                            h2o_late_error=float(plans["h2o"]["late"][i].sum()))
                     for n, i in sorted(families.items(), key=lambda x: -len(x[1]))}
         f = plans["linear"]
         L, M = len(recorders), len(f["policies"])
         window = output_errors(model, recorders, f["keeps"], P, rows=32).T  # (L * S, M)
-        for name, values in (("hindsight", f["true"]), ("window_errors", -window)):
+        # Backtest: the plan the prompt less its last nb tokens would make, each
+        # policy's keep there read by those nb rows, as decoding will read the keep.
+        early = plan_of(model, [t[:P - nb] for t in texts],
+                        generation.CacheOptions("fastgen", kv_budget=b), flags, new_tokens + nb)
+        tested = recoveries(early["policies"], early["prompt"], back)  # (L * S, M)
+        promised = plans["squared"]["est"]
+        told = recoveries(f["policies"], f["prompt"], early_decode)
+        for name, values in (("hindsight", f["true"]), ("window_errors", -window),
+                             ("hindsight_half", told),
+                             ("hindsight_half_squared", squared_losses(told)),
+                             ("backtest", squared_losses(tested)),
+                             ("backtest_min", squared_losses(torch.minimum(tested, promised))),
+                             ("backtest_mean", squared_losses((tested + promised) / 2))):
             pick = fastgen_cache.fit_budgets(values.view(L, -1, M), f["costs"],
                                              f["budgets"]).flatten()
-            err = output_errors(model, recorders, f["keeps"][pick, every][None], P)[0]
-            row[name] = dict(decode=float(f["true"][every, pick].mean()), error=float(err.sum()))
+            keep = f["keeps"][pick, every][None]
+            err = output_errors(model, recorders, keep, P)[0]
+            late = output_errors(model, recorders, keep, P, skip=half)[0]
+            row[name] = dict(decode=float(f["true"][every, pick].mean()), error=float(err.sum()),
+                             late_error=float(late.sum()))
         out[f"b={b:g}"] = row
     return out
 
@@ -411,7 +459,8 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
     finally:
         generation.menu = menu
     for n, r in rows.items():
-        print(f"{text} {n:40s} share {r['share']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}")
+        print(f"{text} {n:40s} share {r['share']:.3f}  KL {r['kl']:.4f} (halves "
+              f"{r['kl_halves'][0]:.4f} / {r['kl_halves'][1]:.4f})  top-1 {r['top1']:.3f}")
     meta = dict(text=text, windows=windows, evict_every=evict_every, prompt_len=prompt_len,
                 new_tokens=new_tokens, machine=evaluate.machine(), torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d"), runtime_s=round(time.perf_counter() - t0))
@@ -426,8 +475,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", help="checkpoint folder (default SmolLM2-135M-Instruct)")
     p.add_argument("--text", default="usenet", choices=evaluate.SOURCES, help="real text (usenet)")
     p.add_argument("--variants", nargs="+", default=["default"], help="MENU[:OPTIONS], as the "
-                   "module's docstring says; MENU: default, default-floor, no-local, no-tova, "
-                   "h2o, h2o-floor")
+                   "module's docstring says; MENU: default, default-floor, no-local, no-sink, "
+                   "no-tova, h2o, h2o-floor")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="(0.25 0.5)")
     p.add_argument("--windows", type=int, default=12, help="text windows (12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")

@@ -129,7 +129,9 @@ def test_menu_variants_estimates_and_hindsight(tiny_ckpt, tmp_path):
         assert getattr(cache, name).__module__ in ("cache", "profiling"), name
     assert cache.weigh is profiling.weigh and cache.recoveries is profiling.recoveries
     got = menu_variants.main(heads=True, out=str(tmp_path / "hs"), **kw)["b=0.5"]
-    assert set(got) == {"linear", "squared", "h2o", "hindsight", "window_errors"}
+    assert set(got) == {"linear", "squared", "h2o", "hindsight", "window_errors", "backtest",
+                        "backtest_min", "backtest_mean", "hindsight_half",
+                        "hindsight_half_squared"}
     assert all(r["error"] >= 0 and 0 <= r["decode"] <= 1 + 1e-6 for r in got.values())
     assert got["hindsight"]["decode"] >= got["linear"]["decode"] - 1e-6
     assert sum(f["heads"] for f in got["linear"]["by_family"].values()) == 2 * 2 * 2
