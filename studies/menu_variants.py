@@ -479,6 +479,8 @@ def parse_args(argv=None):
                    "no-tova, h2o, h2o-floor")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="(0.25 0.5)")
     p.add_argument("--windows", type=int, default=12, help="text windows (12)")
+    p.add_argument("--new-tokens", type=int, default=64, help="teacher-forced tokens after "
+                   "each window's 768-token prompt (64)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     p.add_argument("--out", default="results/evaluate/menu_variants", help="OUT.json")
     p.add_argument("--norms", action="store_true", help="instead, print how the first token's "
