@@ -57,6 +57,21 @@ def test_replay_equals_score(tiny_ckpt, kv, options):
     assert nbytes > 0 and 0 < kept <= 1
 
 
+def test_text_quality_halves(tiny_ckpt):
+    """The KL of the first and second half of the new tokens average to the
+    KL (the halves are equal), and the full cache has none in either."""
+    model, tok = load_model(tiny_ckpt), Tokenizer(tiny_ckpt)
+    flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
+    torch.manual_seed(0)
+    windows = [torch.randint(3, 300, (46,)).tolist() for _ in range(3)]
+    cfgs = [evaluate.Config("full", "full", {}), evaluate.Config("h2o", "h2o", {"kv_budget": 0.3})]
+    rows = evaluate.text_quality(model, windows, 6, cfgs, flags, 3, 0.3, 0.3)
+    assert rows["full"]["kl_halves"] == [0.0, 0.0]
+    first, second = rows["h2o"]["kl_halves"]
+    assert first > 0 and second > 0
+    assert math.isclose((first + second) / 2, rows["h2o"]["kl"], rel_tol=1e-6)
+
+
 def test_interpolate():
     pts = [(0.2, 1.0), (0.6, 3.0), (0.4, 2.0)]
     assert evaluate.interpolate(pts, 0.5) == pytest.approx(2.5)
