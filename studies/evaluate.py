@@ -225,11 +225,12 @@ def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent,
             a["kept"] += kept * len(chunk)
         del rec
     count, half = len(windows) * n_new, len(windows) * (n_new // 2)
-    # The KL of the first and the second half of the new tokens apart: how
-    # the loss falls on the tokens right after the prompt and on later ones.
-    halves = lambda a: [a["kl_first"] / max(half, 1),  # noqa: E731
-                        (a["kl"] - a["kl_first"]) / max(count - half, 1)]
-    return {name: dict(kl=a["kl"] / count, kl_halves=halves(a), top1=a["top1"] / count,
+    # kl_halves: the KL of the first and the second half of the new tokens
+    # apart, how the loss falls on the tokens right after the prompt and later.
+    return {name: dict(kl=a["kl"] / count,
+                       kl_halves=[a["kl_first"] / max(half, 1),
+                                  (a["kl"] - a["kl_first"]) / max(count - half, 1)],
+                       top1=a["top1"] / count,
                        ppl=math.exp(a["nll"] / count), share=a["bytes"] / a["full_bytes"],
                        kept=a["kept"] / len(windows)) for name, a in acc.items()}
 

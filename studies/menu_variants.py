@@ -178,7 +178,7 @@ def local_loss(factor: float):
     """While it lasts, the shapes with a Local window are promised `factor`
     times the loss their recoveries say, 1 - factor (1 - r): a calibration for
     what the prompt's last rows promise them against what decoding gets
-    (`hindsight`: they lose 2.3 to 3 times what they were promised where
+    (`hindsight`: they lose 2.1 to 3.1 times what they were promised where
     TOVA loses 1.3 to 1.8 times, on both texts)."""
     def rec(policies_, prompt, prof, sink=True):
         r = recoveries(policies_, prompt, prof, sink)
