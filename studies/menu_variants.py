@@ -17,7 +17,8 @@ Sink shapes, StreamingLLM's), `no-tova` (without TOVA),
 `default-floor` (sizes of 0.2 and up only). OPTIONS, `/`-separated: the
 cache's own `w=ROWS` (0: every row), `score=mean|sum`, `span=N`, `v=0|1`
 (attention weighed by value norms, `--weigh-values`),
-`obj=squared|linear` (the knapsack's `--objective`); and the study's own
+`obj=squared|linear` (the knapsack's `--objective`), `scope=layer|model`
+(`--budget-scope`); and the study's own
 estimates: `mix=ROWS` (with w=0, every row's profile mixed with the last
 ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
 `scale=1` (heads priced by their values' size, `head_scale`),
@@ -25,7 +26,9 @@ ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
 row's, `every_row_recoveries`), `local=F` (the shapes with a Local window
 promised F times their loss, `local_loss`). Prints a line per variant and budget and writes
 OUT.json. `--heads` compares, head by head, what the prompt's profile
-promised with what decoding needed (`hindsight`).
+promised with what decoding needed (`hindsight`). `--per-window` scores each
+window apart and adds, per budget, the mean over windows of the best FastGen
+variant's KL: an oracle, the most that choosing a variant per prompt could gain.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from tqdm import tqdm
 
 import cache as fastgen_cache
 import generation
@@ -82,8 +86,10 @@ def options(spec: str) -> dict:
         key, _, value = item.partition("=")
         field = dict(w="obs_window", score="hh_score", span="span", v="weigh_values",
                      mix="mix", obj="objective", center="center",
-                     scale="scale", both="both", local="local_loss").get(key)
+                     scale="scale", both="both", local="local_loss",
+                     scope="budget_scope").get(key)
         words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
+                     budget_scope=("layer", "model"),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
         ok = (value in words[field] if field in words
               else value.replace(".", "", 1).isdigit() if field == "local_loss"
@@ -91,7 +97,8 @@ def options(spec: str) -> dict:
         if field is None or not ok:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
-                             "scale=0|1, both=min|mean|local, local=F, N a whole number, "
+                             "scale=0|1, both=min|mean|local, local=F, scope=layer|model, "
+                             "N a whole number, "
                              "F a number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else float(value) if field == "local_loss" else int(value))
@@ -430,7 +437,7 @@ def value_norms(model, texts, rows: int = 32) -> dict:
 def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=12,
          prompt_len=768, new_tokens=64, threads=1, out="results/evaluate/menu_variants",
          ckpt=None, norms: bool = False, heads: bool = False,
-         evict_every: int | None = None) -> dict:
+         evict_every: int | None = None, per_window: bool = False) -> dict:
     from generation import flags_of, load
     from studies.textdata import prompts
     torch.set_num_threads(threads)
@@ -452,7 +459,17 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
     every = {} if evict_every is None else {"evict_every": evict_every}
     fixed = [Config("full", "full", {})] + [Config(f"h2o b={b:g}", "h2o", {"kv_budget": b, **every})
                                             for b in budgets]
-    rows |= evaluate.text_quality(model, texts, new_tokens, fixed, flags, windows, 0.3, 0.3)
+    def quality(cfgs):
+        if not per_window:
+            return evaluate.text_quality(model, texts, new_tokens, cfgs, flags, windows, 0.3, 0.3)
+        each = [evaluate.text_quality(model, [t], new_tokens, cfgs, flags, 1, 0.3, 0.3)
+                for t in tqdm(texts, desc="windows", leave=False)]
+        return {c.name: dict({k: statistics.fmean(w[c.name][k] for w in each)
+                              for k in ("kl", "top1", "share")},
+                             kl_halves=[statistics.fmean(w[c.name]["kl_halves"][i] for w in each)
+                                        for i in (0, 1)],
+                             kl_by_window=[w[c.name]["kl"] for w in each]) for c in cfgs}
+    rows |= quality(fixed)
     menu = generation.menu
     try:
         for v in variants:
@@ -475,14 +492,20 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
                         fastgen_cache, "weigh", centered) if center else nullcontext(), \
                     every_row_recoveries(both) if both else nullcontext(), \
                     local_loss(factor) if factor else nullcontext():
-                got = evaluate.text_quality(model, texts, new_tokens, cfgs, flags, windows,
-                                            0.3, 0.3)
+                got = quality(cfgs)
             rows |= {n: r for n, r in got.items() if n != "full"}
     finally:
         generation.menu = menu
     for n, r in rows.items():
         print(f"{text} {n:40s} share {r['share']:.3f}  KL {r['kl']:.4f} (halves "
               f"{r['kl_halves'][0]:.4f} / {r['kl_halves'][1]:.4f})  top-1 {r['top1']:.3f}")
+    if per_window:  # each window's best FastGen variant, as if a prompt could pick its own
+        for b in budgets:
+            by = [r["kl_by_window"] for n, r in rows.items()
+                  if n.startswith("fastgen[") and n.endswith(f" b={b:g}")]
+            rows[f"best variant per window b={b:g}"] = best = dict(
+                kl=statistics.fmean(map(min, zip(*by))))
+            print(f"{text} {'best variant per window b=' + format(b, 'g'):40s} KL {best['kl']:.4f}")
     meta = dict(text=text, windows=windows, evict_every=evict_every, prompt_len=prompt_len,
                 new_tokens=new_tokens, machine=evaluate.machine(), torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d"), runtime_s=round(time.perf_counter() - t0))
@@ -508,6 +531,9 @@ def parse_args(argv=None):
     p.add_argument("--norms", action="store_true", help="instead, print how the first token's "
                    "value norm compares with the others' and its share of the attention, plain "
                    "and weighed by value norms, per layer (`value_norms`)")
+    p.add_argument("--per-window", action="store_true", help="score each window apart and "
+                   "add each window's KL (kl_by_window) and, per budget, the mean of each "
+                   "window's best FastGen variant: what choosing a variant per prompt could gain")
     p.add_argument("--evict-every", type=int, help="steps between evictions for every row, "
                    "h2o's included (default: the cache's; 1000: none in 64 steps)")
     p.add_argument("--heads", action="store_true", help="instead, compare each head's recovery "

@@ -154,4 +154,11 @@ def test_menu_variants_estimates_and_hindsight(tiny_ckpt, tmp_path):
         menu_variants.options("obj=cubic")
     with pytest.raises(ValueError, match="local=F"):
         menu_variants.options("local=x")
+    each = menu_variants.main(out=str(tmp_path / "pw"), per_window=True, evict_every=2,
+                              variants=["default", "default:span=1"], **kw)
+    a, b = (each[f"fastgen[{v}] b=0.5"]["kl_by_window"] for v in ("default", "default:span=1"))
+    assert len(a) == 2 and each["best variant per window b=0.5"]["kl"] == pytest.approx(
+        (min(a[0], b[0]) + min(a[1], b[1])) / 2)
+    # Windows scored apart average to the KL of windows scored together.
+    assert each["h2o b=0.5"]["kl"] == pytest.approx(rows["h2o b=0.5"]["kl"], rel=1e-3)
 
