@@ -24,8 +24,8 @@ ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
 `scale=1` (heads priced by their values' size, `head_scale`),
 `both=min|mean|local` (recoveries from the last 32 rows' profile and every
 row's, `every_row_recoveries`), `local=F` (the shapes with a Local window
-promised F times their loss, `local_loss`). Prints a line per variant and budget and writes
-OUT.json. `--heads` compares, head by head, what the prompt's profile
+promised F times their loss, `local_loss`). Prints a line per variant and
+budget and writes OUT.json. `--heads` compares, head by head, what the prompt's profile
 promised with what decoding needed (`hindsight`). `--per-window` scores each
 window apart and adds, per budget, the mean over windows of the best FastGen
 variant's KL: an oracle, the most that choosing a variant per prompt could gain.
@@ -98,8 +98,7 @@ def options(spec: str) -> dict:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
                              "scale=0|1, both=min|mean|local, local=F, scope=layer|model, "
-                             "N a whole number, "
-                             "F a number")
+                             "N a whole number, F a number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else float(value) if field == "local_loss" else int(value))
     return out
@@ -180,6 +179,12 @@ def head_scale(center: bool):
         yield
 
 
+def with_local(policies_, device=None) -> torch.Tensor:
+    """(M,) which policies keep a Local window."""
+    return torch.tensor([any(isinstance(m, policies.Local) for m in p.members())
+                         for p in policies_], device=device)
+
+
 @contextmanager
 def local_loss(factor: float):
     """While it lasts, the shapes with a Local window are promised `factor`
@@ -189,9 +194,7 @@ def local_loss(factor: float):
     TOVA loses 1.3 to 1.8 times, on both texts)."""
     def rec(policies_, prompt, prof, sink=True):
         r = recoveries(policies_, prompt, prof, sink)
-        local = torch.tensor([any(isinstance(m, policies.Local) for m in p.members())
-                              for p in policies_], device=r.device)
-        return torch.where(local, 1 - factor * (1 - r), r)
+        return torch.where(with_local(policies_, r.device), 1 - factor * (1 - r), r)
     with mock.patch.object(fastgen_cache, "recoveries", rec):
         yield
 
@@ -252,9 +255,7 @@ def every_row_recoveries(how: str, rows: int = 32):
         a = inner_rec(policies_, prompt, prof, sink)
         b = inner_rec(policies_, prompt, stash["every"], sink)
         if how == "local":  # the smaller only for the shapes with a Local window
-            local = torch.tensor([any(isinstance(m, policies.Local) for m in p.members())
-                                  for p in policies_])
-            return torch.where(local, torch.minimum(a, b), a)
+            return torch.where(with_local(policies_, a.device), torch.minimum(a, b), a)
         return torch.minimum(a, b) if how == "min" else (a + b) / 2
     decide = fastgen_cache.decide
 
@@ -491,7 +492,7 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
                     head_scale(bool(center)) if scale else mock.patch.object(
                         fastgen_cache, "weigh", centered) if center else nullcontext(), \
                     every_row_recoveries(both) if both else nullcontext(), \
-                    local_loss(factor) if factor else nullcontext():
+                    local_loss(factor) if factor is not None else nullcontext():
                 got = quality(cfgs)
             rows |= {n: r for n, r in got.items() if n != "full"}
     finally:
@@ -540,6 +541,8 @@ def parse_args(argv=None):
                    "as the prompt's profile estimates it and as decoding needs it, for FastGen's "
                    "plan, h2o's and the plan chosen in hindsight (`hindsight`)")
     a = p.parse_args(argv)
+    if a.new_tokens < 2:  # the KL is reported for each half of them
+        p.error(f"--new-tokens must be at least 2 (got {a.new_tokens})")
     for v in a.variants:  # a bad variant is a usage error, not a traceback an hour later
         name, _, spec = v.partition(":")
         try:
