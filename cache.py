@@ -105,8 +105,10 @@ class FastGenCache(nn.Module):
     With `weigh_values`, a prompt token's attention counts times its value's
     norm (profiling.weigh), in the recoveries and the scores; a chunk's choice
     again reads attention alone.
-    With `whole_model`, the budget is shared by every layer's heads (one knapsack
-    when all the layers decide together) instead of each layer's own. The
+    `scope` says whose budget it is: each "layer"'s, or shared by the heads of
+    the layers that decide together (one knapsack): every N layers for an
+    int N (fastgen_caches holds N layers' prompts), or every layer of the
+    "model" (every layer's prompt held until the last has come). The
     knapsack maximizes the heads' summed recoveries (`objective` "linear") or
     minus their summed squared losses ("squared", profiling.squared_losses).
     """
@@ -116,11 +118,13 @@ class FastGenCache(nn.Module):
                  rows: int | None = None, sink: bool = True, evict_every: int | None = None,
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
                  heads=None, rechoose: bool = False, span: int = 1, bits=None,
-                 whole_model: bool = False, weigh_values: bool = False,
+                 scope: str = "layer", weigh_values: bool = False,
                  objective: str = "linear"):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
+        if scope not in ("layer", "model") and not (isinstance(scope, int) and scope >= 1):
+            raise ValueError(f"scope must be layer, model or a number of layers (got {scope!r})")
         if objective not in ("linear", "squared"):
             raise ValueError(f"objective must be linear or squared (got {objective!r})")
         if bits is not None and len(bits) != len(policies):
@@ -128,9 +132,9 @@ class FastGenCache(nn.Module):
                              f"{len(policies)})")
         self.policies = list(policies)
         self.bits = None if bits is None else list(bits)
-        self.whole_model, self.objective = whole_model, objective
-        # This layer's share when choosing again: the budget's, or under a whole
-        # model's budget, what its heads took of it at the prompt.
+        self.scope, self.objective = scope, objective
+        # This layer's share of each sequence's bytes when choosing again: the
+        # budget's, or under a group's or the model's, what its heads took at the prompt.
         self.share = budget
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
@@ -306,12 +310,12 @@ class FastGenCache(nn.Module):
         if self.budget is None:
             choice = choose(values, self.threshold)
         else:
-            full = int((self.seen() + new).sum()) * full_unit
+            values, costs = self.worth(values)[None], costs[None]
             if self.heads is not None:  # tensor parallel: every rank solves for every head
-                values, costs = self.heads.gather(values[None]), self.heads.gather(costs[None])
-                full = full * values.shape[1] // S
-            choice = fit_budgets(self.worth(values).view(1, -1, M), costs.view(1, -1, M),
-                                 [int(self.share * full)])
+                values, costs = self.heads.gather(values), self.heads.gather(costs)
+            B = len(self.prompt_lens)  # each sequence's share of what its full cache would hold
+            full = (self.seen()[::S // B].cpu() + new) * (costs.shape[1] // B * full_unit)
+            choice, _ = knapsacks(values, costs, (self.share * full).long()[None], False)
             choice = (choice if self.heads is None else self.heads.mine(choice))[0]
         self.choice = choice
         self.follow(choice.tolist())
@@ -392,10 +396,11 @@ class FastGenCache(nn.Module):
 class Pending:
     """The layers of a model whose prompts wait to be profiled and
     compressed: they decide together, once the last layer has come or once
-    what they hold would pass `max_bytes`."""
+    what they hold would pass `max_bytes`; with `every`, every that many
+    layers instead, whatever they hold."""
 
-    def __init__(self, layers: int, max_bytes: int = HELD_BYTES):
-        self.layers, self.max_bytes = layers, max_bytes
+    def __init__(self, layers: int, max_bytes: int = HELD_BYTES, every: int | None = None):
+        self.layers, self.max_bytes, self.every = layers, max_bytes, every
         self.waiting: list[FastGenCache] = []
         self.profiled = 0
 
@@ -404,7 +409,9 @@ class Pending:
         self.profiled += 1
         held = sum(t.nbytes for c in self.waiting for t in c.held[:3])
         # Decide now if one more layer like these would pass the limit.
-        if self.profiled >= self.layers or held + held // len(self.waiting) > self.max_bytes:
+        full = (len(self.waiting) == self.every if self.every
+                else held + held // len(self.waiting) > self.max_bytes)
+        if self.profiled >= self.layers or full:
             self.flush()
 
     def flush(self):
@@ -428,8 +435,6 @@ def decide(caches: list[FastGenCache]):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
     sums = profile_layers(caches)
-    if first.weigh_values:
-        sums = weigh(sums, torch.cat([c.held[2] for c in caches]))
     prompt, recovery = first.from_sums(sums, first.held[3], first.sink, layers=len(caches))
     if recovery is not None and first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
@@ -453,12 +458,19 @@ def decide(caches: list[FastGenCache]):
 
 
 def profile_layers(caches: list[FastGenCache]) -> Profile:
-    """Profiling's sums for the layers waiting in `decide`: the layers as one
-    batch of L * B sequences, one pass for all."""
+    """Profiling's sums for the layers waiting in `decide` (weighed by value
+    norms with `weigh_values`): the layers as one batch of sequences, a pass
+    for as many as hold HELD_BYTES (a budget shared by many layers must not
+    raise the prefill's peak further)."""
     first = caches[0]
-    q, k = (torch.cat([c.held[i] for c in caches]) for i in (0, 1))
-    lens = first.prompt_lens.repeat(len(caches))
-    return attention_sums(q, k, lens, banded(first.policies), first.rows)
+    per = max(1, HELD_BYTES // sum(t.nbytes for t in first.held[:3]))
+    parts = []
+    for i in range(0, len(caches), per):
+        q, k, v = (torch.cat([c.held[j] for c in caches[i:i + per]]) for j in range(3))
+        lens = first.prompt_lens.repeat(len(caches[i:i + per]))
+        sums = attention_sums(q, k, lens, banded(first.policies), first.rows)
+        parts.append(weigh(sums, v) if first.weigh_values else sums)
+    return Profile.cat(parts)
 
 
 def banded(policies: list[Policy]) -> list[float]:
@@ -486,27 +498,43 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
             c.choice = choose(r, c.threshold)
     budgeted = [i for i, c in enumerate(caches) if c.choice is None]
     if budgeted:
-        new = caches[0].max_new_tokens - 1
-        unit, full_unit = caches[0].token_bytes()  # a budget in tokens, or in bytes with `bits`
+        first, new = caches[0], caches[0].max_new_tokens - 1
+        unit, full_unit = first.token_bytes()  # a budget in tokens, or in bytes with `bits`
         costs = (keeps.sum(2).T + torch.ceil(growth * new).long()) * unit
         costs = costs.view(L, -1, M)[budgeted]
-        values, heads = caches[0].worth(recovery[budgeted]), caches[0].heads
-        if heads is not None:  # tensor parallel: every rank solves for every head
-            values, costs = heads.gather(values), heads.gather(costs)
-        full = (prompt.prompt_len[:recovery.shape[1]] + new).sum() * full_unit  # a layer's
-        full = full * costs.shape[1] // recovery.shape[1]  # every rank's heads
-        budgets = [int(caches[i].budget * full) for i in budgeted]
-        if caches[0].whole_model:  # one knapsack over every layer's heads
-            n, S = values.shape[:2]
-            picks = fit_budgets(values.reshape(1, n * S, M), costs.reshape(1, n * S, M),
-                                [sum(budgets)]).view(n, S)
-            spent = costs.gather(2, picks[..., None].to(costs.device)).sum((1, 2)).tolist()
-            for i, cost, b in zip(budgeted, spent, budgets):
-                caches[i].share = caches[i].budget * cost / max(b, 1)
-        else:
-            picks = fit_budgets(values, costs, budgets)
-        for i, pick in zip(budgeted, picks if heads is None else heads.mine(picks)):
+        values = first.worth(recovery[budgeted])
+        if first.heads is not None:  # tensor parallel: every rank solves for every head
+            values, costs = first.heads.gather(values), first.heads.gather(costs)
+        # Each sequence's budget: a share of what its full cache would hold in a layer.
+        B, together = len(first.prompt_lens), first.scope not in ("layer", 1)
+        full = (first.prompt_lens.cpu() + new) * (costs.shape[1] // B * full_unit)  # (B,)
+        budgets = (torch.tensor([caches[i].budget for i in budgeted])[:, None] * full).long()
+        picks, spent = knapsacks(values, costs, budgets, together)
+        for i, pick, cost, b in zip(budgeted, picks if first.heads is None
+                                    else first.heads.mine(picks), spent, budgets):
             caches[i].choice = pick
+            if together:  # choosing again, a layer keeps to what its heads took
+                caches[i].share = caches[i].budget * cost / b.clamp(min=1)  # (B,)
+
+
+def knapsacks(values, costs, budgets, together: bool):
+    """profiling.fit_budgets, one knapsack per sequence: values and costs
+    (n, B * K, M) of n layers' heads, budgets (n, B) each layer's share of each
+    sequence's. `together`: the n layers share each sequence's budget (one
+    knapsack over their heads) rather than each its own. A sequence's plan is
+    then the same alone or in any batch. Returns the picks (n, B * K) and what
+    each layer spent of each sequence's budget, (n, B)."""
+    n, S, M = values.shape
+    B = budgets.shape[1]
+    if together:  # rows: the sequences, each over every layer's heads
+        rows = lambda t: t.reshape(n, B, S // B, M).transpose(0, 1).reshape(B, -1, M)  # noqa: E731
+        picks = fit_budgets(rows(values), rows(costs), budgets.sum(0).tolist())
+        picks = picks.view(B, n, -1).transpose(0, 1).reshape(n, S)
+    else:  # rows: each layer's heads of each sequence
+        picks = fit_budgets(values.reshape(n * B, -1, M), costs.reshape(n * B, -1, M),
+                            budgets.flatten().tolist()).view(n, S)
+    spent = costs.gather(2, picks[..., None].to(costs.device)).view(n, B, -1).sum(2)
+    return picks, spent.cpu()
 
 
 def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
@@ -597,7 +625,8 @@ def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **
     if token_flags is None:  # no tokenizer at hand: Special then keeps only the first token
         token_flags = torch.zeros(model.args.vocab_size, dtype=torch.uint8)
     flags = token_flags.to(device)
-    # A budget for the whole model needs every layer's prompt held until the last has come.
-    pending = Pending(len(model.layers), math.inf if options.get("whole_model") else HELD_BYTES)
+    # A budget shared by N layers needs their prompts held until the Nth has come.
+    L, scope = len(model.layers), options.get("scope", "layer")
+    pending = Pending(L, every=None if scope == "layer" else L if scope == "model" else scope)
     return [FastGenCache(policies, lens, max_new_tokens, model.args.n_kv_heads, flags,
                          pending=pending, **options) for _ in model.layers]

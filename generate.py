@@ -106,7 +106,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          span: int = SPAN, sink_mass: str = "count", weigh_values: bool = True,
          paper: bool = False,
          evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
-         kv_bits: tuple[int, ...] | None = None, budget_scope: str = "layer",
+         kv_bits: tuple[int, ...] | None = None, budget_scope: str = "6",
          objective: str = "squared",
          save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
@@ -334,12 +334,12 @@ def parse_args(argv=None):
                    "fastgen's budget mode only: every menu policy at every precision, each head's "
                    "chosen by profiling, --kv-budget then a share of the bytes of a full cache "
                    "stored in 16 bits; e.g. 16,8,4 (default: the model's dtype, no rounding)")
-    p.add_argument("--budget-scope", default="layer", choices=["layer", "model"],
-                   help="fastgen's budget mode: each layer's heads share --kv-budget of that "
-                   "layer's full cache (layer), or all the model's heads share it (model: the "
-                   "first and last layers may take more; every layer's prompt keys and values "
-                   "are then held until the last layer's come, which raises the prefill's "
-                   "peak) (default layer)")
+    p.add_argument("--budget-scope", default="6", metavar="{layer,model,N}",
+                   help="fastgen's budget mode: whose --kv-budget it is, for each sequence: "
+                   "each layer's (layer), shared by every N layers' heads (one knapsack; their "
+                   "prompt keys and values are held until the Nth layer's come, which raises "
+                   "a one-call prefill's peak), or by the whole model's (model: every layer's "
+                   "held) (default 6)")
     p.add_argument("--objective", default="squared", choices=["squared", "linear"],
                    help="fastgen's budget mode: the heads' policies minimize the sum of the "
                    "squares of the attention each loses (squared), or maximize the sum of what "

@@ -162,7 +162,7 @@ class CacheOptions:
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
     rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
     kv_bits: tuple[int, ...] | None = None  # compressed caches: precisions a head may store at
-    budget_scope: str = "layer"       # fastgen: the budget is each "layer"'s or the "model"'s
+    budget_scope: str = "6"           # fastgen: the budget is each "layer"'s, N layers' or the "model"'s
     objective: str = "squared"        # fastgen: the knapsack's, "squared" losses or "linear"
 
     def check(self):
@@ -180,8 +180,9 @@ class CacheOptions:
              f"--hh-score must be mean or sum (got {self.hh_score!r})")
         need(self.sink_mass in ("count", "drop"),
              f"--sink-mass must be count or drop (got {self.sink_mass!r})")
-        need(self.budget_scope in ("layer", "model"),
-             f"--budget-scope must be layer or model (got {self.budget_scope!r})")
+        scope = str(self.budget_scope)
+        need(scope in ("layer", "model") or scope.isdigit() and int(scope) >= 1,
+             f"--budget-scope must be layer, model or a number of layers (got {scope!r})")
         need(self.objective in ("squared", "linear"),
              f"--objective must be squared or linear (got {self.objective!r})")
         need(self.span >= 1, f"--span must be 1 (each token its own score) or more "
@@ -203,6 +204,11 @@ class CacheOptions:
         need(not (self.kv == "fastgen" and two_modes),
              "--recovery (threshold mode) and --kv-budget (budget mode) choose two different "
              "FastGens; give one of them")
+
+
+def scope_of(scope) -> str | int:
+    """--budget-scope as the cache takes it: "layer", "model" or a number of layers."""
+    return int(scope) if str(scope).isdigit() else scope
 
 
 def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int],
@@ -253,7 +259,7 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     elif o.kv == "fastgen":
         policies = menu(o.r_local, o.r_frequent, o.hh_score)
         kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget,
-                  whole_model=o.budget_scope == "model", objective=o.objective)
+                  scope=scope_of(o.budget_scope), objective=o.objective)
         if o.kv_bits:  # every policy at every precision; Full too, where it saves bytes
             items = [(p, b) for b in o.kv_bits for p in policies + [Full()] * (b < 16)]
             policies, bits = map(list, zip(*items))

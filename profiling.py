@@ -53,6 +53,13 @@ class Profile:
     rows: torch.Tensor                # (S,) query rows read
     last: torch.Tensor                # (S, T) attention from the last prompt row alone
 
+    @staticmethod
+    def cat(parts: list["Profile"]) -> "Profile":
+        """The Profiles of several batches of segments as one, in order."""
+        cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
+        return Profile(cat("colsum"), {r: torch.cat([p.bands[r] for p in parts])
+                                       for r in parts[0].bands}, cat("rows"), cat("last"))
+
 
 def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    chunk_bytes: int = CHUNK_BYTES) -> Profile:
@@ -69,11 +76,8 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
     H = q.shape[1]
     per = max(1, chunk_bytes // (H * T * 4 * MIN_ROWS))  # sequences at a time
     if per < B:
-        parts = [attention_sums(q[i:i + per], k[i:i + per], lens[i:i + per], ratios, rows,
-                                chunk_bytes) for i in range(0, B, per)]
-        cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
-        return Profile(cat("colsum"), {r: torch.cat([p.bands[r] for p in parts]) for r in ratios},
-                       cat("rows"), cat("last"))
+        return Profile.cat([attention_sums(q[i:i + per], k[i:i + per], lens[i:i + per], ratios,
+                                           rows, chunk_bytes) for i in range(0, B, per)])
     G = H // K
     kt = k.float().transpose(-1, -2)  # (B, K, D, T): the G query heads of a KV head share it
     qg = q.view(B, K, G, -1, D)

@@ -274,10 +274,11 @@ def answer_text(tok, ids: list[int]) -> str:
 
 # --- Methods, replayed from one prefill --------------------------------------------
 
-def method_configs(methods, budgets, thresholds, span=None) -> list[Config]:
+def method_configs(methods, budgets, thresholds, span=None, scopes=None) -> list[Config]:
     """The full cache first (the reference), then each method at each budget
     (FastGen's threshold and paper modes at each threshold instead); `span`:
-    FastGen's but the paper's (None: the default)."""
+    FastGen's but the paper's (None: the default); `scopes`: FastGen's budget
+    mode at each of these --budget-scope values (None: the default's)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {', '.join(unknown)}; methods: {', '.join(METHODS)}")
@@ -285,8 +286,12 @@ def method_configs(methods, budgets, thresholds, span=None) -> list[Config]:
     out = [Config("full", "full", {})]
     for m in methods:
         if m == "fastgen":
-            out += [Config(f"fastgen b={b:g}", "fastgen", {"kv_budget": b, **new})
-                    for b in budgets]
+            for scope in scopes or [None]:
+                name, opts = "fastgen", dict(new)
+                if scope is not None:
+                    name, opts["budget_scope"] = f"fastgen/{scope}", scope
+                out += [Config(f"{name} b={b:g}", "fastgen", {"kv_budget": b, **opts})
+                        for b in budgets]
         elif m == "fastgen-threshold":
             out += [Config(f"fastgen-threshold T={t:g}", "fastgen", {"recovery": t, **new})
                     for t in thresholds]
@@ -581,7 +586,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
          thresholds=(0.9,), kl_lengths=None, kl_windows=None, kl_tokens=None,
          text: str = "pydoc", chat: bool = False, batch_tokens: int = 32768, r_local: float = 0.3,
          r_frequent: float = 0.3, seed: int = 0, threads: int | None = None,
-         span: int | None = None, peer: str | None = None,
+         span: int | None = None, scopes=None, peer: str | None = None,
          peer_python: str = "/tmp/kvp/bin/python", peer_presses=PEER_PRESSES,
          command: str | None = None) -> dict:
     """Run the tasks and the text quality; write OUT.json, OUT.md and OUT.png and
@@ -603,7 +608,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
     model, tok = load(ckpt)
     flags = flags_of(model, tok)
     hay = Haystack(tok, text)
-    cfgs = method_configs(methods, budgets, thresholds, span)
+    cfgs = method_configs(methods, budgets, thresholds, span, scopes)
     context = model.args.max_seq_len
     longest_answer = max(NEW_TOKENS[t] for t in tasks)
     notes, results, raw, parts, kl, peer_info = [], {}, {}, {}, {}, {}
@@ -656,8 +661,9 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
         model=Path(ckpt).name if ckpt else "SmolLM2-135M-Instruct", text=text,
         format="ChatML" if chat else "plain", cases=cases, seed=seed, tasks=list(tasks),
         budgets=list(budgets), thresholds=list(thresholds), r_local=r_local,
-        r_frequent=r_frequent, span=span, kl_windows=kl_windows, kl_tokens=kl_tokens,
-        runtime_s=time.perf_counter() - t0, runtime_by_part_s=parts, notes=notes,
+        r_frequent=r_frequent, span=span, scopes=scopes, kl_windows=kl_windows,
+        kl_tokens=kl_tokens, runtime_s=time.perf_counter() - t0, runtime_by_part_s=parts,
+        notes=notes,
         peer_info=peer_info, complete=True), chat)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
@@ -763,6 +769,9 @@ def parse_args(argv=None):
     p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
     p.add_argument("--span", type=int, help="span of FastGen but the paper's (generate.py "
                    "--span; default: its default)")
+    p.add_argument("--scopes", nargs="+", metavar="SCOPE", help="FastGen's budget mode at "
+                   "each of these --budget-scope values (layer, model or a number of layers), "
+                   "each its own line (default: the default's only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the cases and windows (default 0)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 "
                    "leaves the other core to other work")
@@ -782,6 +791,9 @@ def parse_args(argv=None):
         p.error("--threads must be at least 1")
     if a.span is not None and a.span < 1:
         p.error(f"--span must be 1 (each token its own score) or more (got {a.span})")
+    for scope in a.scopes or []:
+        if not (scope in ("layer", "model") or scope.isdigit() and int(scope) >= 1):
+            p.error(f"--scopes: each is layer, model or a number of layers (got {scope!r})")
     given = {k: getattr(a, k) for k in DEFAULTS}
     try:
         check(**{k: (QUICK if a.quick else DEFAULTS)[k] if v is None else v

@@ -17,7 +17,7 @@ Sink shapes, StreamingLLM's), `no-tova` (without TOVA),
 `default-floor` (sizes of 0.2 and up only). OPTIONS, `/`-separated: the
 cache's own `w=ROWS` (0: every row), `score=mean|sum`, `span=N`, `v=0|1`
 (attention weighed by value norms, `--weigh-values`),
-`obj=squared|linear` (the knapsack's `--objective`), `scope=layer|model`
+`obj=squared|linear` (the knapsack's `--objective`), `scope=layer|model|N`
 (`--budget-scope`); and the study's own
 estimates: `mix=ROWS` (with w=0, every row's profile mixed with the last
 ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
@@ -91,13 +91,14 @@ def options(spec: str) -> dict:
         words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
                      budget_scope=("layer", "model"),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
-        ok = (value in words[field] if field in words
+        ok = (value in words[field] or field == "budget_scope" and value.isdigit()
+              if field in words
               else value.replace(".", "", 1).isdigit() if field == "local_loss"
               else value.isdigit())
         if field is None or not ok:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
-                             "scale=0|1, both=min|mean|local, local=F, scope=layer|model, "
+                             "scale=0|1, both=min|mean|local, local=F, scope=layer|model|N, "
                              "N a whole number, F a number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else float(value) if field == "local_loss" else int(value))

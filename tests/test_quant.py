@@ -102,7 +102,7 @@ def test_cache_at_every_precision_equals_the_rounded_reference(name, lens, n_hea
                     head_dim=64, bits=bits, **options)
     assert checked.steps == 30
     cache = checked.cache
-    if len(set(bits)) > 1:
+    if len(set(bits)) > 1 and n_kv_heads > 1:  # (a sequence's one head takes one)
         assert len(cache.pool.parts) > 1  # the budget took several precisions
     for g in cache.pool.groups:
         assert all(cache.bits[i] == g.bits for i in cache.choice[g.seg].tolist())
@@ -196,9 +196,10 @@ def test_a_budget_over_precisions_equals_brute_force(seed):
 # --- A budget for the whole model ---------------------------------------------------
 
 @torch.no_grad()
-def test_a_whole_model_budget_is_one_knapsack_over_every_layer(monkeypatch):
-    """Every layer decides at once, in one knapsack whose budget is the sum of
-    the layers'; the layers' shares then differ, and average within the budget."""
+def test_a_whole_model_budget_is_one_knapsack_per_sequence_over_every_layer(monkeypatch):
+    """Every layer decides at once, in one knapsack per sequence whose budget is
+    the sum of the layers'; the layers' shares then differ, and average within
+    the budget."""
     import cache as cache_module
     calls = []
     real = cache_module.fit_budgets
@@ -212,20 +213,54 @@ def test_a_whole_model_budget_is_one_knapsack_over_every_layer(monkeypatch):
     lens = [30, 22]
     policies = [p for _ in range(2) for p in MENU]
     caches = fastgen_caches(model, policies, lens, 8, random_flags(256, 2), budget=0.4,
-                            bits=[16] * 4 + [4] * 4, whole_model=True)
+                            bits=[16] * 4 + [4] * 4, scope="model")
     greedy(model, prompts_of(lens, seed=5), caches, 8)
-    L, S = model.args.n_layers, len(lens) * model.args.n_kv_heads
-    assert len(calls) == 1
+    L, B, K = model.args.n_layers, len(lens), model.args.n_kv_heads
+    assert len(calls) == 1  # one knapsack per sequence, over every layer's heads
     (shape, budgets), = calls
-    assert shape == (1, L * S, len(policies))
-    shares = [c.share for c in caches]
-    assert len(set(shares)) > 1
-    assert sum(shares) / L <= 0.4 + 1e-9
+    assert shape == (B, L * K, len(policies))
+    shares = torch.stack([c.share for c in caches])  # (L, B): what each layer took
+    assert len(set(shares.flatten().tolist())) > 1
+    assert (shares.mean(0) <= 0.4 + 1e-9).all()
     per_layer = fastgen_caches(model, policies, lens, 8, random_flags(256, 2), budget=0.4,
                                bits=[16] * 4 + [4] * 4)
     calls.clear()
     greedy(model, prompts_of(lens, seed=5), per_layer, 8)
-    assert calls[0][0] == (L, S, len(policies)) and sum(calls[0][1]) == budgets[0]
+    assert calls[0][0] == (L * B, K, len(policies)) and sum(calls[0][1]) == sum(budgets)
+
+
+@torch.no_grad()
+def test_a_budget_for_every_n_layers_decides_n_at_a_time(monkeypatch):
+    import cache as cache_module
+    calls = []
+    real = cache_module.fit_budgets
+    monkeypatch.setattr(cache_module, "fit_budgets", lambda v, c, b, *a: calls.append(
+        (v.shape, list(b))) or real(v, c, b, *a))
+    model, lens = tiny_model(n_layers=5), [30, 22]
+    caches = fastgen_caches(model, MENU, lens, 8, random_flags(256, 2), budget=0.4, scope=2)
+    greedy(model, prompts_of(lens, seed=5), caches, 8)
+    K, M = model.args.n_kv_heads, len(MENU)
+    assert [shape for shape, _ in calls] == [(2, 2 * K, M), (2, 2 * K, M), (2, K, M)]
+    spent = torch.stack([c.share for c in caches])  # (L, B)
+    assert (spent[:4].view(2, 2, 2).mean(1) <= 0.4 + 1e-9).all() and (spent[4] <= 0.4).all()
+
+
+@pytest.mark.parametrize("scope", ["layer", 2, "model"])
+@torch.no_grad()
+def test_a_sequence_gets_the_same_plan_alone_and_in_a_batch(scope):
+    """The budget is each sequence's own: a prompt's plan and logits do not
+    depend on the prompts batched with it."""
+    model = tiny_model()
+    lens, flags = [30, 22, 26], random_flags(256, 2)
+    prompts, K = prompts_of(lens, seed=5), model.args.n_kv_heads
+    batch = fastgen_caches(model, MENU, lens, 8, flags, budget=0.4, scope=scope)
+    together = greedy(model, prompts, batch, 8)
+    for b, p in enumerate(prompts):
+        alone = fastgen_caches(model, MENU, [lens[b]], 8, flags, budget=0.4, scope=scope)
+        logits = greedy(model, [p], alone, 8)
+        assert [c.choice[b * K:(b + 1) * K].tolist() for c in batch] == [
+            c.choice.tolist() for c in alone]
+        torch.testing.assert_close(logits[0], together[b], atol=1e-4, rtol=1e-4)
 
 
 def test_channel_factors_keep_a_large_channel_from_setting_every_scale():
@@ -250,7 +285,7 @@ def test_parts_of_several_precisions_grow_and_compile_once():
     model = tiny_model(seed=1)
     lens, max_new = [9, 14], 30
     prompts = prompts_of(lens, seed=7)
-    options = dict(page=4, evict_every=3, budget=0.8, bits=[16, 4])
+    options = dict(page=4, evict_every=3, budget=0.85, bits=[16, 4])
 
     def caches():
         return fastgen_caches(model, [Full(), Full()], lens, max_new, None, **options)
