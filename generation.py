@@ -162,7 +162,7 @@ class CacheOptions:
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
     rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
     kv_bits: tuple[int, ...] | None = None  # compressed caches: precisions a head may store at
-    budget_scope: str = "6"           # fastgen: the budget is each "layer"'s, N layers' or the "model"'s
+    budget_scope: str = "6"           # fastgen: whose budget, each "layer"'s, N layers', the "model"'s
     objective: str = "squared"        # fastgen: the knapsack's, "squared" losses or "linear"
 
     def check(self):

@@ -306,6 +306,9 @@ def plan_of(model, prompts, options, flags, new_tokens: int) -> dict:
 
 
 BACK = 64  # the prompt rows a backtest reads
+# The plans `hindsight` compares are each layer's knapsacks (one per layer and
+# sequence), which it solves again with other values.
+LAYER = dict(budget_scope="layer")
 
 
 def later_rows(recorders, end: int, rows: int, upto: int, ratios) -> Profile:
@@ -358,8 +361,8 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
     for b in budgets:
         plans = {name: plan_of(model, prompts, generation.CacheOptions(kind, kv_budget=b, **kw),
                                flags, new_tokens)
-                 for name, kind, kw in (("linear", "fastgen", dict(objective="linear")),
-                                        ("squared", "fastgen", {}), ("h2o", "h2o", {}))}
+                 for name, kind, kw in (("linear", "fastgen", dict(objective="linear", **LAYER)),
+                                        ("squared", "fastgen", LAYER), ("h2o", "h2o", {}))}
         every = torch.arange(len(plans["h2o"]["choice"]))
         for p in plans.values():
             p["true"] = recoveries(p["policies"], p["prompt"], decode)  # (L * S, M)
@@ -388,12 +391,12 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
                             h2o_late_error=float(plans["h2o"]["late"][i].sum()))
                     for n, i in sorted(families.items(), key=lambda x: -len(x[1]))}
         f = plans["linear"]
-        L, M = len(recorders), len(f["policies"])
         window = output_errors(model, recorders, f["keeps"], P, rows=32).T  # (L * S, M)
         # Backtest: the plan the prompt less its last nb tokens would make, each
         # policy's keep there read by those nb rows, as decoding will read the keep.
         early = plan_of(model, [t[:P - nb] for t in texts],
-                        generation.CacheOptions("fastgen", kv_budget=b), flags, new_tokens + nb)
+                        generation.CacheOptions("fastgen", kv_budget=b, **LAYER), flags,
+                        new_tokens + nb)
         tested = recoveries(early["policies"], early["prompt"], back)  # (L * S, M)
         promised = plans["squared"]["est"]
         told = recoveries(f["policies"], f["prompt"], early_decode)
@@ -403,7 +406,7 @@ def hindsight(model, texts, flags, new_tokens: int, budgets) -> dict:
                              ("backtest", squared_losses(tested)),
                              ("backtest_min", squared_losses(torch.minimum(tested, promised))),
                              ("backtest_mean", squared_losses((tested + promised) / 2))):
-            pick = fastgen_cache.fit_budgets(values.view(L, -1, M), f["costs"],
+            pick = fastgen_cache.fit_budgets(values.view(f["costs"].shape), f["costs"],
                                              f["budgets"]).flatten()
             keep = f["keeps"][pick, every][None]
             err = output_errors(model, recorders, keep, P)[0]

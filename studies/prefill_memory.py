@@ -205,7 +205,8 @@ def main(argv=None):
                                       for b in a.budgets]
     chunks = (None, a.chunk) if a.chunk else (None,)
     jobs = [dict(ckpt=a.ckpt, kv=kv, budget=b, scope=scope, chunk=chunk, length=n,
-                 threads=a.threads) for n in a.lengths for kv, b, scope in kinds for chunk in chunks]
+                 threads=a.threads)
+            for n in a.lengths for kv, b, scope in kinds for chunk in chunks]
     rows = [run(job) for job in tqdm(jobs, desc="runs")]
     res = dict(date=time.strftime("%Y-%m-%d"), machine=machine(), threads=a.threads,
                command="python -m studies.prefill_memory " + " ".join(argv or sys.argv[1:]),
