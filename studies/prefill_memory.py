@@ -208,8 +208,9 @@ def main(argv=None):
                  threads=a.threads)
             for n in a.lengths for kv, b, scope in kinds for chunk in chunks]
     rows = [run(job) for job in tqdm(jobs, desc="runs")]
+    env = "".join(f"{k}={v} " for k, v in os.environ.items() if k.startswith("MALLOC_"))
     res = dict(date=time.strftime("%Y-%m-%d"), machine=machine(), threads=a.threads,
-               command="python -m studies.prefill_memory " + " ".join(argv or sys.argv[1:]),
+               command=env + "python -m studies.prefill_memory " + " ".join(argv or sys.argv[1:]),
                rows=rows)
     if a.cap_mib:
         cap_rows = [longest(dict(ckpt=a.ckpt, kv=kv, budget=b, scope=scope, chunk=chunk,
