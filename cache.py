@@ -8,9 +8,10 @@ heads has B*K of them. The method, in the order it runs:
 2. Profile and choose (`decide`): how much of each segment's prompt attention
    every candidate policy recovers (profiling.py); each segment takes the
    shortlist's first policy that reaches the threshold T (the paper), or,
-   under a byte budget, the menu items that lose its layer's heads the least
+   under a byte budget, the menu items that lose a sequence's heads the least
    attention (the sum of their squared losses, or of their recoveries) with
-   all heads within the budget. A menu item may store its
+   its heads in the layers deciding together within its budget (`scope`:
+   each layer, every N layers, the model). A menu item may store its
    tokens in fewer bits (`bits`): it then costs fewer bytes a token and
    recovers less, by what rounding moves (profiling.precision_errors).
 3. Compress (`compress`): each segment keeps the prompt tokens its policy
@@ -100,7 +101,7 @@ class FastGenCache(nn.Module):
     share `pending` decide together. With `eager`, a small pool is laid out for
     masked attention (pool.MaskedPool); otherwise every pool is paged. Under
     tensor parallel, `heads` (tp.Heads) shares the budget's tables among the
-    ranks, so that the budget is the whole model's, as in one process. With
+    ranks, so that the budget spans every rank's heads, as in one process. With
     `rechoose`, each chunk read chooses every segment's policy again (`choose_again`).
     With `weigh_values`, a prompt token's attention counts times its value's
     norm (profiling.weigh), in the recoveries and the scores; a chunk's choice
@@ -484,7 +485,8 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
     """Each layer's `choice`, (S,): under a threshold, the shortlist's first
     policy that reaches it; under a budget, the knapsack (profiling.fit_budgets)
     over each head's cost, the prompt tokens its policy keeps plus what it will
-    keep of the new ones, within a share of what a full cache would hold."""
+    keep of the new ones, within a share of what each sequence's full cache
+    would hold (`knapsacks`)."""
     L, M = len(caches), len(caches[0].policies)
     if recovery is None:  # a single policy: every segment's
         for c in caches:

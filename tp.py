@@ -22,7 +22,7 @@ nothing of ranks) and reads only the rank's slices of the weights. The KV
 cache of each layer sees only the rank's heads: every rank profiles,
 compresses and holds its own heads, and nothing in cache.py knows about
 ranks: in budget mode the cache is handed a `Heads`, which gathers every
-head's recoveries and costs so that the budget is the whole model's. Plain
+head's recoveries and costs so that the budget spans every rank's heads. Plain
 `torch.distributed` collectives are used: they are the simplest readable
 option and `torch.compile(fullgraph=True)` traces them.
 """
@@ -233,7 +233,7 @@ class VocabShardedOutput(nn.Linear):
 @dataclasses.dataclass
 class Heads:
     """How a compressed cache's tables of every head are shared among the ranks,
-    so that the budget mode chooses for the whole model's heads as one process
+    so that the budget mode chooses for every rank's heads as one process
     would (cache.choose_policies): each rank holds, for each of `batch`
     sequences, its own KV heads, and one process lists them sequence by
     sequence, rank 0's heads first."""
