@@ -162,7 +162,7 @@ class CacheOptions:
     prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
     rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
     kv_bits: tuple[int, ...] | None = None  # compressed caches: precisions a head may store at
-    budget_scope: str = "6"           # fastgen: whose budget, each "layer"'s, N layers', the "model"'s
+    budget_scope: str = "6"           # fastgen: whose budget, "layer", N layers' or "model"
     objective: str = "squared"        # fastgen: the knapsack's, "squared" losses or "linear"
 
     def check(self):
@@ -180,9 +180,7 @@ class CacheOptions:
              f"--hh-score must be mean or sum (got {self.hh_score!r})")
         need(self.sink_mass in ("count", "drop"),
              f"--sink-mass must be count or drop (got {self.sink_mass!r})")
-        scope = str(self.budget_scope)
-        need(scope in ("layer", "model") or scope.isdigit() and int(scope) >= 1,
-             f"--budget-scope must be layer, model or a number of layers (got {scope!r})")
+        scope_of(self.budget_scope)
         need(self.objective in ("squared", "linear"),
              f"--objective must be squared or linear (got {self.objective!r})")
         need(self.span >= 1, f"--span must be 1 (each token its own score) or more "
@@ -207,8 +205,14 @@ class CacheOptions:
 
 
 def scope_of(scope) -> str | int:
-    """--budget-scope as the cache takes it: "layer", "model" or a number of layers."""
-    return int(scope) if str(scope).isdigit() else scope
+    """--budget-scope as the cache takes it: "layer", "model" or a number of
+    layers; ValueError, naming the flag, for anything else."""
+    s = str(scope)
+    if s in ("layer", "model"):
+        return s
+    if s.isdigit() and int(s) >= 1:
+        return int(s)
+    raise ValueError(f"--budget-scope must be layer, model or a number of layers (got {s!r})")
 
 
 def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int],

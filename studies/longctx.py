@@ -70,7 +70,7 @@ import torch
 from tqdm import tqdm
 
 from cache import reserve
-from generation import CacheOptions, dense_kv_bytes, make_caches
+from generation import CacheOptions, dense_kv_bytes, make_caches, scope_of
 from studies import evaluate
 from studies.evaluate import Config
 from studies.textdata import SOURCES, documents, prompts
@@ -792,7 +792,9 @@ def parse_args(argv=None):
     if a.span is not None and a.span < 1:
         p.error(f"--span must be 1 (each token its own score) or more (got {a.span})")
     for scope in a.scopes or []:
-        if not (scope in ("layer", "model") or scope.isdigit() and int(scope) >= 1):
+        try:
+            scope_of(scope)
+        except ValueError:
             p.error(f"--scopes: each is layer, model or a number of layers (got {scope!r})")
     given = {k: getattr(a, k) for k in DEFAULTS}
     try:

@@ -79,6 +79,14 @@ def menu_of(name: str):
     return menu
 
 
+def valid_scope(value: str) -> bool:
+    try:
+        generation.scope_of(value)
+        return True
+    except ValueError:
+        return False
+
+
 def options(spec: str) -> dict:
     """`w=0/score=sum/span=1` -> CacheOptions fields."""
     out = {}
@@ -91,7 +99,7 @@ def options(spec: str) -> dict:
         words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
                      budget_scope=("layer", "model"),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
-        ok = (value in words[field] or field == "budget_scope" and value.isdigit()
+        ok = (value in words[field] or field == "budget_scope" and valid_scope(value)
               if field in words
               else value.replace(".", "", 1).isdigit() if field == "local_loss"
               else value.isdigit())

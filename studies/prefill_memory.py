@@ -227,6 +227,7 @@ def main(argv=None):
 
 
 def parse_args(argv=None):
+    from generation import scope_of
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 2)[2])
@@ -259,7 +260,9 @@ def parse_args(argv=None):
         p.error("--lengths and --cap-lengths need at least 2 tokens, --threads 1, and --chunk "
                 "is 0 (none) or more")
     for scope in a.scopes or []:
-        if not (scope in ("layer", "model") or scope.isdigit() and int(scope) >= 1):
+        try:
+            scope_of(scope)
+        except ValueError:
             p.error(f"--scopes: each is layer, model or a number of layers (got {scope!r})")
     if any(not 0 < b <= 1 for b in a.budgets):
         p.error(f"--budgets must be in (0, 1] (got {a.budgets})")
