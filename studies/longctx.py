@@ -339,11 +339,16 @@ def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: i
         fed[b, :len(q)], teacher[b, :len(q)] = torch.tensor(q), True
     qlen = torch.tensor([len(q) for q in questions])
     answers = torch.zeros(B, steps + 1, dtype=torch.long)  # the prediction after each step
+    # A sequence whose answer is complete idles at its last position: with a
+    # shorter question than the batch's longest, its position would otherwise
+    # run past the model's context on prompts that fill it.
+    last = lens + qlen + n - 2
     for i in range(steps):
         reserve(caches)
         # Teacher-forced while a sequence's question lasts, then its own answer.
         token = torch.where(teacher[:, i], fed[:, i], answers[:, i])
-        answers[:, i + 1] = model(token[:, None], (lens + i)[:, None])[:, 0].argmax(-1)
+        pos = torch.minimum(lens + i, last)
+        answers[:, i + 1] = model(token[:, None], pos[:, None])[:, 0].argmax(-1)
     nbytes = sum(c.nbytes() for c in caches)
     model.setup_caches(None)
     # Sequence b's answer starts with the prediction after its last question token.

@@ -149,6 +149,27 @@ def test_agnostic_replay_equals_the_decode_loop(ckpt, kv, options):
         assert logits[b, len(q):len(q) + n].argmax(-1).tolist() == ids[b].tolist()
 
 
+def test_agnostic_answers_at_the_context_edge_do_not_depend_on_the_batch(ckpt):
+    """Prompts that fill the model's context less the answer, batched with a
+    longer question: each answer is the one it gets alone (before, the shorter
+    question's positions ran past the context and the batch failed)."""
+    model = load_model(ckpt)
+    flags = token_flags(model.args.vocab_size, [1, 2], [])
+    torch.manual_seed(2)
+    n, edge = 5, model.args.max_seq_len
+    questions = [torch.randint(3, 300, (q,)).tolist() for q in (7, 2)]
+    contexts = [torch.randint(3, 300, (edge - n - len(q),)).tolist() for q in questions]
+    config = evaluate.Config("fastgen", "fastgen", {"kv_budget": 0.3})
+
+    def answers(b):
+        rec = evaluate.record(model, [contexts[i] + questions[i] for i in b])
+        ctx = longctx.context_record(rec, [len(contexts[i]) for i in b])
+        return longctx.replay_agnostic(model, ctx, config, [questions[i] for i in b], n,
+                                       flags)[0].tolist()
+
+    assert answers([0, 1]) == answers([0]) + answers([1])
+
+
 def test_full_cache_agnostic_equals_question_last(ckpt):
     """What run_cases relies on to reuse the full cache's answers."""
     model = load_model(ckpt)
