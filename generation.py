@@ -273,7 +273,11 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     else:  # the fixed policies as their authors define them
         policy = baseline(o.kv, 0.5 if o.kv_budget is None else o.kv_budget)
         policies = [policy]
-        kw = dict(rows=policy.window if isinstance(policy, SnapKV) else None, **evict)
+        # The prompt rows profiled: SnapKV's window; every row for heavy hitters'
+        # sums; else the last (TOVA ranks by it; a window or sinks read none).
+        rows = policy.window if isinstance(policy, SnapKV) else (
+            None if policy.reads_scores else 1)
+        kw = dict(rows=rows, **evict)
     if o.kv_bits and "bits" not in kw:  # one precision for every policy
         kw.update(bits=list(o.kv_bits) * len(policies))
     return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **kw)

@@ -180,6 +180,9 @@ class Policy:
     never_evicts = False
     # True when `keep` reads `Slots.last`, which the cache then keeps up to date.
     reads_last = False
+    # True when `keep` reads `Slots.score`, the attention summed over the prompt
+    # rows profiled; a cache of policies that do not profiles the last row alone.
+    reads_scores = False
 
     def keep(self, s: Slots) -> torch.Tensor:
         """Bool (N, C): which of the held tokens this policy keeps. Written for
@@ -270,6 +273,8 @@ class Frequent(Policy):
     scored, so it rarely gets in. `by="mean"` ranks by the attention per query
     that has seen the token, and the newest token always enters (ScissorHands,
     cold-compress's FastGen)."""
+
+    reads_scores = True
 
     def __init__(self, r: float, by: str = "sum"):
         if by not in ("sum", "mean"):
@@ -370,6 +375,7 @@ class SnapKV(Policy):
     The cache must score the prompt with the same observation window."""
 
     never_evicts = True  # the prompt is compressed once (see `keep`); new tokens stay
+    reads_scores = True
 
     def __init__(self, r: float, window: int = 32, kernel: int = 7):
         self.r, self.window, self.kernel = r, window, kernel
@@ -437,6 +443,10 @@ class Union(Policy):
     @property
     def reads_last(self):
         return any(m.reads_last for m in self._members)
+
+    @property
+    def reads_scores(self):
+        return any(m.reads_scores for m in self._members)
 
     def keep(self, s):
         kept = self._members[0].keep(s)

@@ -189,6 +189,23 @@ def prompts_of(lens, seed=0, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+@pytest.mark.parametrize("kind", ["local", "sink", "tova"])
+def test_a_policy_that_reads_no_sums_profiles_the_last_row_alone(kind):
+    """A window, sinks and TOVA never read the attention summed over the prompt:
+    their caches profile its last row, not every row, and decode the same."""
+    model = tiny_model()
+    lens, max_new = [30, 21], 8
+    prompts, flags = prompts_of(lens, seed=3), random_flags(256, 0)
+    caches = make_caches(model, CacheOptions(kind, kv_budget=0.3), lens, max_new, flags)
+    assert all(c.rows == 1 for c in caches)
+    every_row = fastgen_caches(model, [baseline(kind, 0.3)], lens, max_new, flags, rows=None)
+    with torch.no_grad():
+        assert torch.equal(greedy(model, prompts, caches, max_new),
+                           greedy(model, prompts, every_row, max_new))
+    for kind in ("h2o", "snapkv"):
+        assert make_caches(model, CacheOptions(kind), lens, max_new, flags)[0].rows != 1
+
+
 @pytest.mark.parametrize("policies, threshold", [(shortlist(0.2, 0.2), 0.8),
                                                  ([baseline("h2o", 0.4)], 0.0),
                                                  ([Special() | Punct() | Local(0.2)], 0.0)],
