@@ -47,10 +47,9 @@ share as it comes), `local`, `sink`, `h2o`, `tova`, `snapkv`, and the full
 cache. The x-axis is the KV bytes the caches really allocated over a full
 cache's for the same work. A task on which the full cache scores below 0.3
 (at that length and reading) is shown but left out of the average. By
-default only the methods whose cache build profiles a window of prompt rows
-run (full, fastgen, fastgen-threshold, snapkv); the cache profiles every
-prompt row for the others, which costs more than their decoding (see
-`DEFAULTS`).
+default run full, fastgen, fastgen-threshold and snapkv (see `DEFAULTS`):
+the cache profiles every prompt row for `h2o` and the paper's method, and
+each more method's replays cost as much as these four's.
 
 Writes OUT.json, OUT.md (per length and reading, methods against tasks) and
 OUT.png (average score against KV share, one panel per length and reading).
@@ -574,11 +573,9 @@ def plot(results: dict, path: Path) -> str | None:
 
 # The settings a run takes unless told otherwise, and those of --quick.
 # The default methods are those whose profiling reads a window of prompt rows;
-# local, sink, h2o, tova and fastgen-paper profile every row (as the cache
-# builds them). The four fixed ones share one profile per prompt and reading
-# (a fixed policy takes no band sums): 32 min for the four at three budgets on
-# 40 prompts of 2k, both readings, on one busy core, about 4x per doubling.
-# The defaults take about 3 hours on one busy core (studies/README.md).
+# h2o and fastgen-paper profile every row (as the cache builds them), local,
+# sink and tova the last alone, but their 18 replays a prompt would double
+# the run. The defaults take about 3 hours on one busy core (studies/README.md).
 DEFAULTS = dict(lengths=(2048, 4096), cases=20, budgets=(0.125, 0.25, 0.5),
                 methods=("full", "fastgen", "fastgen-threshold", "snapkv"),
                 kl_lengths=(4096, 8192), kl_windows=10, kl_tokens=64)
