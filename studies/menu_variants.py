@@ -24,7 +24,9 @@ ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
 `scale=1` (heads priced by their values' size, `head_scale`),
 `both=min|mean|local` (recoveries from the last 32 rows' profile and every
 row's, `every_row_recoveries`), `local=F` (the shapes with a Local window
-promised F times their loss, `local_loss`). Prints a line per variant and
+promised F times their loss, `local_loss`), `rank=every` (heavy hitters
+ranked by every row's attention, recoveries from the last 32 rows',
+`every_row_ranks`; with `stride=N`, every N-th row's). Prints a line per variant and
 budget and writes OUT.json. `--heads` compares, head by head, what the prompt's profile
 promised with what decoding needed (`hindsight`). `--per-window` scores each
 window apart and adds, per budget, the mean over windows of the best FastGen
@@ -95,9 +97,9 @@ def options(spec: str) -> dict:
         field = dict(w="obs_window", score="hh_score", span="span", v="weigh_values",
                      mix="mix", obj="objective", center="center",
                      scale="scale", both="both", local="local_loss",
-                     scope="budget_scope").get(key)
+                     scope="budget_scope", rank="rank", stride="stride").get(key)
         words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
-                     budget_scope=("layer", "model"),
+                     budget_scope=("layer", "model"), rank=("every",),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
         ok = (value in words[field] or field == "budget_scope" and valid_scope(value)
               if field in words
@@ -107,6 +109,7 @@ def options(spec: str) -> dict:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
                              "scale=0|1, both=min|mean|local, local=F, scope=layer|model|N, "
+                             "rank=every, stride=N, "
                              "N a whole number, F a number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else float(value) if field == "local_loss" else int(value))
@@ -275,6 +278,58 @@ def every_row_recoveries(how: str, rows: int = 32):
             decide(caches)
     with mock.patch.object(fastgen_cache, "decide", deciding), \
             mock.patch.object(fastgen_cache, "recoveries", rec):
+        yield
+
+
+def strided_colsum(q, k, lens, stride: int) -> torch.Tensor:
+    """(B * K, T) the attention every `stride`-th prompt row gave each token
+    (the last row and every stride-th before it), averaged over each KV head's
+    query heads: every row's sums, read on a sample. Dense: for short prompts."""
+    B, H, T, D = q.shape
+    K = k.shape[1]
+    r = torch.arange(T, device=q.device)
+    pick = ((lens[:, None] - 1 - r) % stride == 0) & (r < lens[:, None])  # (B, T) rows read
+    a = (q.float().view(B, K, H // K, T, D) @ k.float().transpose(-1, -2)[:, :, None]) / math.sqrt(D)
+    a = a.masked_fill(r[None] > r[:, None], -math.inf).softmax(-1)  # (B, K, G, T, T)
+    return (a * pick[:, None, None, :, None]).sum(3).mean(2).flatten(0, 1)
+
+
+@contextmanager
+def every_row_ranks(rows: int = 32, stride: int = 1):
+    """While it lasts, a cache that profiles every row (w=0) ranks heavy hitters
+    by every row's attention (per query since the token came, no span), as
+    `h2o` ranks them, while the knapsack's recoveries come from the last `rows`
+    rows, as the default's do. A continuation often names again what the
+    prompt named hundreds of tokens before (a subject, a header's name), which
+    every row attended to and the last rows did not. `stride` > 1: every
+    stride-th row only (`strided_colsum`), a sample of every row's sums."""
+    decide, slots = fastgen_cache.decide, fastgen_cache.prompt_slots
+
+    def deciding(caches):  # inside evaluate's from_record, which patches profile_layers
+        inner, first = fastgen_cache.profile_layers, caches[0]
+
+        def profile(cs):
+            every = inner(cs)
+            q, k, v = (torch.cat([c.held[i] for c in cs]) for i in range(3))
+            w = attention_sums(q, k, first.prompt_lens.repeat(len(cs)),
+                               fastgen_cache.banded(first.policies), rows)
+            w = weigh(w, v) if first.weigh_values else w
+            score = every.colsum
+            if stride > 1:
+                lens = first.prompt_lens.repeat(len(cs))
+                sampled = Profile(strided_colsum(q, k, lens, stride), {}, w.rows, w.last)
+                score = (weigh(sampled, v) if first.weigh_values else sampled).colsum
+            return Mixed(w.colsum, w.bands, w.rows, w.last, score)
+        with mock.patch.object(fastgen_cache, "profile_layers", profile):
+            decide(caches)
+
+    def scored(sums, *a, **kw):
+        s = slots(sums, *a, **kw)
+        if isinstance(sums, Mixed):  # every row read: the mean per query since the token came
+            s = replace(s, score=sums.score, first_query=torch.zeros_like(s.first_query))
+        return s
+    with mock.patch.object(fastgen_cache, "decide", deciding), \
+            mock.patch.object(fastgen_cache, "prompt_slots", scored):
         yield
 
 
@@ -493,7 +548,8 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
             center, scale = opts.pop("center", 0), opts.pop("scale", 0)
             both = opts.pop("both", None)
             factor = opts.pop("local_loss", None)
-            if both:
+            rank, stride = opts.pop("rank", None), opts.pop("stride", 1)
+            if both or rank:
                 opts["obs_window"] = 0
             if mix:  # of attention alone: profiling.weigh would drop its scores
                 opts["weigh_values"] = False
@@ -504,7 +560,8 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
                     head_scale(bool(center)) if scale else mock.patch.object(
                         fastgen_cache, "weigh", centered) if center else nullcontext(), \
                     every_row_recoveries(both) if both else nullcontext(), \
-                    local_loss(factor) if factor is not None else nullcontext():
+                    local_loss(factor) if factor is not None else nullcontext(), \
+                    every_row_ranks(stride=stride) if rank else nullcontext():
                 got = quality(cfgs)
             rows |= {n: r for n, r in got.items() if n != "full"}
     finally:
