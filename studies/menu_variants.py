@@ -26,7 +26,8 @@ ROWS rows', `mixed_profile`), `center=1` (weighed by |v - o|, `centered`),
 row's, `every_row_recoveries`), `local=F` (the shapes with a Local window
 promised F times their loss, `local_loss`), `rank=every` (heavy hitters
 ranked by every row's attention, recoveries from the last 32 rows',
-`every_row_ranks`; with `stride=N`, every N-th row's). Prints a line per variant and
+`every_row_ranks`; with `stride=N`, every N-th row's; `rank=max`, the
+larger of every row's and the last rows' attention per query). Prints a line per variant and
 budget and writes OUT.json. `--heads` compares, head by head, what the prompt's profile
 promised with what decoding needed (`hindsight`). `--per-window` scores each
 window apart and adds, per budget, the mean over windows of the best FastGen
@@ -99,7 +100,7 @@ def options(spec: str) -> dict:
                      scale="scale", both="both", local="local_loss",
                      scope="budget_scope", rank="rank", stride="stride").get(key)
         words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
-                     budget_scope=("layer", "model"), rank=("every",),
+                     budget_scope=("layer", "model"), rank=("every", "max"),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
         ok = (value in words[field] or field == "budget_scope" and valid_scope(value)
               if field in words
@@ -109,7 +110,7 @@ def options(spec: str) -> dict:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
                              "scale=0|1, both=min|mean|local, local=F, scope=layer|model|N, "
-                             "rank=every, stride=N, "
+                             "rank=every|max, stride=N, "
                              "N a whole number, F a number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else float(value) if field == "local_loss" else int(value))
@@ -295,14 +296,16 @@ def strided_colsum(q, k, lens, stride: int) -> torch.Tensor:
 
 
 @contextmanager
-def every_row_ranks(rows: int = 32, stride: int = 1):
+def every_row_ranks(rows: int = 32, stride: int = 1, how: str = "every"):
     """While it lasts, a cache that profiles every row (w=0) ranks heavy hitters
     by every row's attention (per query since the token came, no span), as
     `h2o` ranks them, while the knapsack's recoveries come from the last `rows`
     rows, as the default's do. A continuation often names again what the
     prompt named hundreds of tokens before (a subject, a header's name), which
     every row attended to and the last rows did not. `stride` > 1: every
-    stride-th row only (`strided_colsum`), a sample of every row's sums."""
+    stride-th row only (`strided_colsum`), a sample of every row's sums.
+    `how="max"`: a token's attention per query is the larger of every row's
+    and the last rows' (carried `span` tokens on, as the default ranks)."""
     decide, slots = fastgen_cache.decide, fastgen_cache.prompt_slots
 
     def deciding(caches):  # inside evaluate's from_record, which patches profile_layers
@@ -319,6 +322,13 @@ def every_row_ranks(rows: int = 32, stride: int = 1):
                 lens = first.prompt_lens.repeat(len(cs))
                 sampled = Profile(strided_colsum(q, k, lens, stride), {}, w.rows, w.last)
                 score = (weigh(sampled, v) if first.weigh_values else sampled).colsum
+            if how == "max":  # per query since the token came, against the window's per row
+                lens = first.prompt_lens.repeat(len(cs)).repeat_interleave(k.shape[1])[:, None]
+                pos = torch.arange(score.shape[1], device=score.device)
+                n_all = (lens - pos).clamp(min=1)
+                n_win = (lens - torch.maximum(pos, lens - w.rows[:, None].long())).clamp(min=1)
+                window = carried(w.colsum, first.span) / n_win
+                score = torch.maximum(score / n_all, window) * n_all
             return Mixed(w.colsum, w.bands, w.rows, w.last, score)
         with mock.patch.object(fastgen_cache, "profile_layers", profile):
             decide(caches)
@@ -561,7 +571,7 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
                         fastgen_cache, "weigh", centered) if center else nullcontext(), \
                     every_row_recoveries(both) if both else nullcontext(), \
                     local_loss(factor) if factor is not None else nullcontext(), \
-                    every_row_ranks(stride=stride) if rank else nullcontext():
+                    every_row_ranks(stride=stride, how=rank) if rank else nullcontext():
                 got = quality(cfgs)
             rows |= {n: r for n, r in got.items() if n != "full"}
     finally:

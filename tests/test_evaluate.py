@@ -139,8 +139,8 @@ def test_menu_variants_estimates_and_hindsight(tiny_ckpt, tmp_path):
     rows = menu_variants.main(out=str(tmp_path / "mv"), evict_every=2, variants=[
         "default:obj=linear", "no-tova", "default:center=1", "default:scale=1",
         "default:both=min", "default:local=2", "default:rank=every",
-        "default:rank=every/stride=4"], **kw)
-    assert len(rows) == 10 and all(r["kl"] >= 0 for r in rows.values())
+        "default:rank=every/stride=4", "default:rank=max"], **kw)
+    assert len(rows) == 11 and all(r["kl"] >= 0 for r in rows.values())
     for name in ("weigh", "recoveries", "fit_budgets", "compress", "decide", "profile_layers"):
         assert getattr(cache, name).__module__ in ("cache", "profiling"), name
     assert cache.weigh is profiling.weigh and cache.recoveries is profiling.recoveries
