@@ -112,6 +112,11 @@ class FastGenCache(nn.Module):
     "model" (every layer's prompt held until the last has come). The
     knapsack maximizes the heads' summed recoveries (`objective` "linear") or
     minus their summed squared losses ("squared", profiling.squared_losses).
+    With `rank_every`, heavy hitters rank by every prompt row's attention (per
+    query since the token came, weighed as the recoveries are), while the
+    recoveries still come from the last `rows`: a continuation often names
+    again what the prompt named far back, which every row attended to and the
+    last rows did not (README, "Far mentions").
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
@@ -120,7 +125,7 @@ class FastGenCache(nn.Module):
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
                  heads=None, rechoose: bool = False, span: int = 1, bits=None,
                  scope: str = "layer", weigh_values: bool = False,
-                 objective: str = "linear"):
+                 objective: str = "linear", rank_every: bool = False):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
@@ -140,6 +145,7 @@ class FastGenCache(nn.Module):
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
         self.span, self.weigh_values = span, weigh_values
+        self.rank_every = rank_every and rows is not None  # with rows None, they are every row
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
         self.evict_every = evict_every or max(EVICT_EVERY, self.page // 2)
@@ -156,6 +162,7 @@ class FastGenCache(nn.Module):
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
+        self.every = None  # with rank_every, from prefill until `decide`: every row's (S, T) sums
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     def forward(self, q, k, v, input_pos, tokens):
@@ -171,6 +178,9 @@ class FastGenCache(nn.Module):
         t0 = _clock(q.device)
         # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
+        if self.rank_every:  # every row's sums now, while every row's queries are here
+            every = attention_sums(q, k, self.prompt_lens)
+            self.every = (weigh(every, v) if self.weigh_values else every).colsum
         self.head_dim = k.shape[-1]
         self.profile_s = _clock(q.device) - t0
         self.pending.add(self)
@@ -431,7 +441,7 @@ def decide(caches: list[FastGenCache]):
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
     shared = lambda c: (c.policies, c.bits, c.rows, c.sink, c.span, c.weigh_values,  # noqa: E731
-                        c.objective, c.max_new_tokens)
+                        c.objective, c.max_new_tokens, c.rank_every)
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
@@ -454,7 +464,7 @@ def decide(caches: list[FastGenCache]):
     compress(caches, prompt, keeps, growth)
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:
-        c.held = None
+        c.held = c.every = None
         c.profile_s += spent
 
 
@@ -470,7 +480,10 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         q, k, v = (torch.cat([c.held[j] for c in caches[i:i + per]]) for j in range(3))
         lens = first.prompt_lens.repeat(len(caches[i:i + per]))
         sums = attention_sums(q, k, lens, banded(first.policies), first.rows)
-        parts.append(weigh(sums, v) if first.weigh_values else sums)
+        sums = weigh(sums, v) if first.weigh_values else sums
+        if first.rank_every:
+            sums.score = torch.cat([c.every for c in caches[i:i + per]])
+        parts.append(sums)
     return Profile.cat(parts)
 
 

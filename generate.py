@@ -102,8 +102,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
          dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
          recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
-         kv_budget: float | None = None, hh_score: str = "mean", obs_window: int = 32,
-         span: int = SPAN, sink_mass: str = "count", weigh_values: bool = True,
+         kv_budget: float | None = None, hh_score: str = "mean", hh_rows: str = "window",
+         obs_window: int = 32, span: int = SPAN, sink_mass: str = "count", weigh_values: bool = True,
          paper: bool = False,
          evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
          kv_bits: tuple[int, ...] | None = None, budget_scope: str = "6",
@@ -125,7 +125,8 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     the lowest failing rank, and the others exit with status 1.
     """
     cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
-                         kv_budget=kv_budget, hh_score=hh_score, obs_window=obs_window,
+                         kv_budget=kv_budget, hh_score=hh_score, hh_rows=hh_rows,
+                         obs_window=obs_window,
                          span=span, sink_mass=sink_mass, weigh_values=weigh_values, paper=paper,
                          evict_every=evict_every, prefill_chunk=prefill_chunk, rechoose=rechoose,
                          kv_bits=kv_bits, budget_scope=budget_scope, objective=objective)
@@ -348,6 +349,12 @@ def parse_args(argv=None):
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")
+    p.add_argument("--hh-rows", default="window", choices=["window", "every"], help="fastgen: "
+                   "rank heavy hitters by the attention of the rows profiled (window, "
+                   "--obs-window), or of every prompt row while the recoveries still come from "
+                   "the window (every: keeps what the prompt named far back, at the cost of "
+                   "reading every row at prefill; see the README, \"Far mentions\") (default "
+                   "window)")
     p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "
                    "prompt rows; 0 reads every row, as the paper (default 32)")
     p.add_argument("--span", type=int, default=SPAN, help="fastgen: a prompt token scores "

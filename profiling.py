@@ -52,13 +52,17 @@ class Profile:
     bands: dict[float, torch.Tensor]  # Local ratio -> (S, T) its band sum
     rows: torch.Tensor                # (S,) query rows read
     last: torch.Tensor                # (S, T) attention from the last prompt row alone
+    # (S, T) what heavy hitters rank by when not the rows read: every prompt row's
+    # attention (`FastGenCache(rank_every=True)`); None: colsum, carried.
+    score: torch.Tensor | None = None
 
     @staticmethod
     def cat(parts: list["Profile"]) -> "Profile":
         """The Profiles of several batches of segments as one, in order."""
         cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
         return Profile(cat("colsum"), {r: torch.cat([p.bands[r] for p in parts])
-                                       for r in parts[0].bands}, cat("rows"), cat("last"))
+                                       for r in parts[0].bands}, cat("rows"), cat("last"),
+                       None if parts[0].score is None else cat("score"))
 
 
 def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
@@ -168,17 +172,19 @@ def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1,
     """The prompts as the slots policies rank, one row per segment of `layers`
     layers stacked, (layers * B * K, T): each token's position (-1 past its
     prompt's end), its score (the attention the rows read gave it, carried
-    `span` tokens on: `carried`), its flags from `flags` (B, T), and the
-    first row read."""
+    `span` tokens on: `carried`; or `sums.score`, every row's), its flags
+    from `flags` (B, T), and the first row its score counts."""
     T = flags.shape[1]
     per_seg = lambda t: t.repeat_interleave(n_kv_heads, dim=0).repeat(  # noqa: E731
         layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * B * K, ...)
     positions = torch.arange(T, device=lens.device)
+    every = sums.score is not None
+    first = per_seg(lens[:, None]) - sums.rows.long()[:, None]
     return Slots(pos=per_seg(torch.where(positions < lens[:, None], positions, -1)),
-                 score=carried(sums.colsum, span), flags=per_seg(flags),
+                 score=sums.score if every else carried(sums.colsum, span), flags=per_seg(flags),
                  seen=per_seg(lens[:, None]),
                  prompt_len=per_seg(lens[:, None]),
-                 first_query=per_seg(lens[:, None]) - sums.rows.long()[:, None], last=sums.last)
+                 first_query=torch.zeros_like(first) if every else first, last=sums.last)
 
 
 def carried(colsum, span: int) -> torch.Tensor:
@@ -204,7 +210,7 @@ def weigh(sums: Profile, v) -> Profile:
     w = w * sums.colsum.sum(1, keepdim=True) / (sums.colsum * w).sum(1, keepdim=True).clamp(
         min=1e-12)
     return Profile(sums.colsum * w, {r: b * w for r, b in sums.bands.items()}, sums.rows,
-                   sums.last * w)
+                   sums.last * w, sums.score)
 
 
 def held_profile(probs, held: Slots, rows, ratios) -> Profile:

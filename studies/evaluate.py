@@ -145,14 +145,17 @@ def from_record(recorders):
     model's prefill calls them), take from the record what the prefill already
     computed instead of computing it again for every configuration: the
     attention output (which the build discards) and profiling's column sums,
-    which depend only on the prompt, the rows read and the Local windows
+    which depend only on the prompt, the rows read, the Local windows and
+    whether values weigh them and every row ranks
     (tests/test_evaluate.py compares the logits with `generation.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
     def sums(caches):
         layers = tuple(id(c.held[1]) for c in caches)  # the recorded keys, held as given
         memo = by_key[layers[0]].sums
-        key = (layers, tuple(fastgen_cache.banded(caches[0].policies)), caches[0].rows)
+        c = caches[0]
+        key = (layers, tuple(fastgen_cache.banded(c.policies)), c.rows, c.weigh_values,
+               c.rank_every)
         if key not in memo:
             memo[key] = profile_layers(caches)
         return memo[key]

@@ -15,7 +15,8 @@ A variant is MENU[:OPTIONS]: MENU one of `default` (the budget mode's menu),
 Sink shapes, StreamingLLM's), `no-tova` (without TOVA),
 `h2o` (h2o's shape at the menu's seven sizes), `h2o-floor` and
 `default-floor` (sizes of 0.2 and up only). OPTIONS, `/`-separated: the
-cache's own `w=ROWS` (0: every row), `score=mean|sum`, `span=N`, `v=0|1`
+cache's own `w=ROWS` (0: every row), `score=mean|sum`, `hh=window|every`
+(`--hh-rows`), `span=N`, `v=0|1`
 (attention weighed by value norms, `--weigh-values`),
 `obj=squared|linear` (the knapsack's `--objective`), `scope=layer|model|N`
 (`--budget-scope`); and the study's own
@@ -98,9 +99,10 @@ def options(spec: str) -> dict:
         field = dict(w="obs_window", score="hh_score", span="span", v="weigh_values",
                      mix="mix", obj="objective", center="center",
                      scale="scale", both="both", local="local_loss",
-                     scope="budget_scope", rank="rank", stride="stride").get(key)
+                     scope="budget_scope", rank="rank", stride="stride", hh="hh_rows").get(key)
         words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
                      budget_scope=("layer", "model"), rank=("every", "max"),
+                     hh_rows=("window", "every"),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
         ok = (value in words[field] or field == "budget_scope" and valid_scope(value)
               if field in words
@@ -110,7 +112,7 @@ def options(spec: str) -> dict:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
                              "scale=0|1, both=min|mean|local, local=F, scope=layer|model|N, "
-                             "rank=every|max, stride=N, "
+                             "rank=every|max, stride=N, hh=window|every, "
                              "N a whole number, F a number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else float(value) if field == "local_loss" else int(value))

@@ -189,6 +189,33 @@ def prompts_of(lens, seed=0, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+@pytest.mark.parametrize("weigh_values", [False, True])
+def test_heavy_hitters_can_rank_by_every_row(weigh_values):
+    """With rank_every, a cache that profiles its last 4 rows keeps the heavy
+    hitters of every row: the same keeps and logits as a cache that profiles
+    every row, where without it they differ."""
+    model = tiny_model()
+    lens, max_new = [30, 21], 6
+    prompts, flags = prompts_of(lens, seed=5), random_flags(256, 0)
+    policy = [Frequent(0.3) | Local(0.1)]
+    kw = dict(weigh_values=weigh_values)
+    with torch.no_grad():
+        every = greedy(model, prompts, fastgen_caches(model, policy, lens, max_new, flags,
+                                                      rows=None, **kw), max_new)
+        ranked = fastgen_caches(model, policy, lens, max_new, flags, rows=4, rank_every=True, **kw)
+        assert torch.equal(greedy(model, prompts, ranked, max_new), every)
+        window = greedy(model, prompts, fastgen_caches(model, policy, lens, max_new, flags,
+                                                       rows=4, **kw), max_new)
+    assert not torch.equal(window, every)
+    assert all(c.every is None and c.held is None for c in ranked)  # let go at the decision
+    # Under the budget: the menu's recoveries still come from the window.
+    options = CacheOptions("fastgen", kv_budget=0.4, hh_rows="every")
+    caches = make_caches(model, options, lens, max_new, flags)
+    assert all(c.rank_every and c.rows == 32 for c in caches)
+    with pytest.raises(ValueError, match="--hh-rows"):
+        CacheOptions("fastgen", hh_rows="all").check()
+
+
 @pytest.mark.parametrize("kind", ["local", "sink", "tova"])
 def test_a_policy_that_reads_no_sums_profiles_the_last_row_alone(kind):
     """A window, sinks and TOVA never read the attention summed over the prompt:
