@@ -292,7 +292,8 @@ def strided_colsum(q, k, lens, stride: int) -> torch.Tensor:
     K = k.shape[1]
     r = torch.arange(T, device=q.device)
     pick = ((lens[:, None] - 1 - r) % stride == 0) & (r < lens[:, None])  # (B, T) rows read
-    a = (q.float().view(B, K, H // K, T, D) @ k.float().transpose(-1, -2)[:, :, None]) / math.sqrt(D)
+    kt = k.float().transpose(-1, -2)[:, :, None]  # (B, K, 1, D, T)
+    a = (q.float().view(B, K, H // K, T, D) @ kt) / math.sqrt(D)
     a = a.masked_fill(r[None] > r[:, None], -math.inf).softmax(-1)  # (B, K, G, T, T)
     return (a * pick[:, None, None, :, None]).sum(3).mean(2).flatten(0, 1)
 
