@@ -515,10 +515,39 @@ def value_norms(model, texts, rows: int = 32) -> dict:
                 first_share_weighed=round(sum(weighed) / len(weighed), 3))
 
 
+def token_losses(model, tok, flags, text: list[int], prompt_len: int, budget: float,
+                 variants, most: int = 10) -> list[dict]:
+    """One window's continuation token by token: each token's KL under FastGen
+    (each variant's cache options) and `h2o` at `budget`, the `most` tokens
+    where the first variant loses most against `h2o`, and how far back the
+    prompt last had that token."""
+    import torch.nn.functional as F
+    prompt, follow = text[:prompt_len], torch.tensor([text[prompt_len:]])
+    rec, n = evaluate.record(model, [prompt]), follow.shape[1]
+    logp = {}
+    for name, kv, opts in [("full", "full", {}), ("h2o", "h2o", {"kv_budget": budget})] + [
+            (v, "fastgen", {"kv_budget": budget, **options(v.partition(":")[2])})
+            for v in variants]:
+        logits, _, _ = evaluate.replay(model, rec, Config(name, kv, opts), n, follow, flags)
+        logp[name] = logits.log_softmax(-1)[0]
+    kl = {k: F.kl_div(v, logp["full"], log_target=True, reduction="none").sum(-1)
+          for k, v in logp.items() if k != "full"}
+    first = variants[0]
+    order = sorted(range(n), key=lambda i: -(kl[first][i] - kl["h2o"][i]).item())[:most]
+    out = []
+    for i in order:
+        t = text[prompt_len + i]
+        before = [j for j in range(prompt_len + i) if text[j] == t]
+        out.append(dict(step=i, token=tok.decode([t]), back=prompt_len + i - before[-1]
+                        if before else None, **{k: v[i].item() for k, v in kl.items()}))
+    return out
+
+
 def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=12,
          prompt_len=768, new_tokens=64, threads=1, out="results/evaluate/menu_variants",
          ckpt=None, norms: bool = False, heads: bool = False,
-         evict_every: int | None = None, per_window: bool = False) -> dict:
+         evict_every: int | None = None, per_window: bool = False,
+         token_window: int | None = None) -> dict:
     from generation import flags_of, load
     from studies.textdata import prompts
     torch.set_num_threads(threads)
@@ -529,6 +558,14 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
     if norms:
         got = value_norms(model, [t[:prompt_len] for t in texts])
         print(json.dumps(got))
+        return got
+    if token_window is not None:
+        got = token_losses(model, tok, flags, texts[token_window], prompt_len, budgets[0],
+                           list(variants))
+        for r in got:
+            print(json.dumps(r))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).with_suffix(".json").write_text(json.dumps(got, indent=1))
         return got
     if heads:
         got = hindsight(model, texts, flags, new_tokens, budgets)
@@ -622,7 +659,13 @@ def parse_args(argv=None):
     p.add_argument("--heads", action="store_true", help="instead, compare each head's recovery "
                    "as the prompt's profile estimates it and as decoding needs it, for FastGen's "
                    "plan, h2o's and the plan chosen in hindsight (`hindsight`)")
+    p.add_argument("--token-window", type=int, metavar="W", help="instead, window W's "
+                   "continuation token by token at the first budget: the 10 tokens where the "
+                   "first variant loses most KL against h2o, with each variant's and h2o's KL "
+                   "and how many tokens back the prompt last had the token (`token_losses`)")
     a = p.parse_args(argv)
+    if a.token_window is not None and not 0 <= a.token_window < a.windows:
+        p.error(f"--token-window must be a window, 0 to {a.windows - 1} (got {a.token_window})")
     if a.new_tokens < 2:  # the KL is reported for each half of them
         p.error(f"--new-tokens must be at least 2 (got {a.new_tokens})")
     for v in a.variants:  # a bad variant is a usage error, not a traceback an hour later

@@ -160,6 +160,11 @@ def test_menu_variants_estimates_and_hindsight(tiny_ckpt, tmp_path):
     a, b = (each[f"fastgen[{v}] b=0.5"]["kl_by_window"] for v in ("default", "default:span=1"))
     assert len(a) == 2 and each["best variant per window b=0.5"]["kl"] == pytest.approx(
         (min(a[0], b[0]) + min(a[1], b[1])) / 2)
+    tokens = menu_variants.main(out=str(tmp_path / "tk"), token_window=1,
+                                variants=["default", "default:hh=every"], **kw)
+    assert len(tokens) == 4 and all(r["h2o"] >= 0 and r["default"] >= 0 for r in tokens)
+    assert [r["default"] - r["h2o"] for r in tokens] == sorted(
+        (r["default"] - r["h2o"] for r in tokens), reverse=True)
     # Windows scored apart average to the KL of windows scored together.
     assert each["h2o b=0.5"]["kl"] == pytest.approx(rows["h2o b=0.5"]["kl"], rel=1e-3)
 
