@@ -238,21 +238,35 @@ def time_hf(hf, prompts, new_tokens) -> dict:
     ids = torch.tensor(prompts, device=hf.device)
     B, T = ids.shape
 
+    class Arrivals:  # a streamer that notes when the prompt and each new token come out
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            synchronize(hf.device)
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
     def run(n):
         synchronize(hf.device)
-        t0 = time.perf_counter()
+        t0, seen = time.perf_counter(), Arrivals()
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                           min_new_tokens=n, do_sample=False, use_cache=True,
-                          return_dict_in_generate=True, pad_token_id=0)
+                          return_dict_in_generate=True, pad_token_id=0, streamer=seen)
         synchronize(hf.device)
-        return time.perf_counter() - t0, out
+        return time.perf_counter() - t0, seen.times, out
 
-    run(1)  # the first call warms up; timed, it made t1 long and tn - t1 negative on a busy machine
+    run(1)  # the first call warms up
     t1 = min(run(1)[0] for _ in range(2))  # the prefill and first token
     with peak_memory(hf.device) as mem:
-        (tn, out), share = with_cpu_share(lambda: run(new_tokens))
+        (_, times, out), share = with_cpu_share(lambda: run(new_tokens))
+    # The decode steps timed by themselves, from the first new token to the last: a
+    # difference of two runs' times went negative on a busy machine.
+    decode_s = times[-1] - times[1]
     kv = sum(t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
-    return dict(prefill=B * T / t1, decode=B * (new_tokens - 1) / (tn - t1), cpu=share,
+    return dict(prefill=B * T / t1, decode=B * (new_tokens - 1) / decode_s, cpu=share,
                 compile_s=0.0, kv=kv, full_kv=kv, profile_share=0.0, profile_prefill=0.0, **mem)
 
 
