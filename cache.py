@@ -45,8 +45,9 @@ import torch.nn as nn
 import pool
 from model import causal_attention
 from policies import Full, Policy, Slots
-from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
-                       precision_errors, prompt_slots, recoveries, squared_losses, weigh)
+from profiling import (Profile, attention_sums, both_scores, choose, fit_budgets, held_profile,
+                       local_ratios, precision_errors, prompt_slots, recoveries, squared_losses,
+                       weigh)
 from quant import rounds, token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
@@ -112,11 +113,12 @@ class FastGenCache(nn.Module):
     "model" (every layer's prompt held until the last has come). The
     knapsack maximizes the heads' summed recoveries (`objective` "linear") or
     minus their summed squared losses ("squared", profiling.squared_losses).
-    With `rank_every`, heavy hitters rank by every prompt row's attention (per
-    query since the token came, weighed as the recoveries are), while the
-    recoveries still come from the last `rows`: a continuation often names
-    again what the prompt named far back, which every row attended to and the
-    last rows did not (README, "Far mentions").
+    `hh_rows` says what heavy hitters rank by: the rows read ("window"), or
+    every prompt row's attention ("every", per query since the token came,
+    weighed as the recoveries are), or the sum of both per query ("both",
+    profiling.both_scores), while the recoveries still come from the last
+    `rows`: a continuation often names again what the prompt named far back,
+    which every row attended to and the last rows did not (README, "Far mentions").
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
@@ -125,7 +127,7 @@ class FastGenCache(nn.Module):
                  page: int | None = None, pending: Pending | None = None, eager: bool = True,
                  heads=None, rechoose: bool = False, span: int = 1, bits=None,
                  scope: str = "layer", weigh_values: bool = False,
-                 objective: str = "linear", rank_every: bool = False):
+                 objective: str = "linear", hh_rows: str = "window"):
         super().__init__()
         if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
             raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
@@ -133,6 +135,8 @@ class FastGenCache(nn.Module):
             raise ValueError(f"scope must be layer, model or a number of layers (got {scope!r})")
         if objective not in ("linear", "squared"):
             raise ValueError(f"objective must be linear or squared (got {objective!r})")
+        if hh_rows not in ("window", "every", "both"):
+            raise ValueError(f"hh_rows must be window, every or both (got {hh_rows!r})")
         if bits is not None and len(bits) != len(policies):
             raise ValueError(f"bits: one precision per policy (got {len(bits)} for "
                              f"{len(policies)})")
@@ -145,7 +149,7 @@ class FastGenCache(nn.Module):
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
         self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
         self.span, self.weigh_values = span, weigh_values
-        self.rank_every = rank_every and rows is not None  # with rows None, they are every row
+        self.hh_rows = hh_rows if rows is not None else "window"  # with rows None: every row
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
         self.evict_every = evict_every or max(EVICT_EVERY, self.page // 2)
@@ -162,7 +166,7 @@ class FastGenCache(nn.Module):
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
-        self.every = None  # with rank_every, from prefill until `decide`: every row's (S, T) sums
+        self.every = None  # every row's (S, T) sums from prefill until `decide`, if hh_rows reads them
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     def forward(self, q, k, v, input_pos, tokens):
@@ -178,7 +182,7 @@ class FastGenCache(nn.Module):
         t0 = _clock(q.device)
         # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
-        if self.rank_every:  # every row's sums now, while every row's queries are here
+        if self.hh_rows != "window":  # every row's sums now, while every row's queries are here
             every = attention_sums(q, k, self.prompt_lens)
             self.every = (weigh(every, v) if self.weigh_values else every).colsum
         self.head_dim = k.shape[-1]
@@ -441,7 +445,7 @@ def decide(caches: list[FastGenCache]):
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
     shared = lambda c: (c.policies, c.bits, c.rows, c.sink, c.span, c.weigh_values,  # noqa: E731
-                        c.objective, c.max_new_tokens, c.rank_every)
+                        c.objective, c.max_new_tokens, c.hh_rows)
     if any(shared(c) != shared(first) for c in caches):
         raise ValueError("decide: the layers' caches must share their policies, profiling "
                          "options and max_new_tokens")
@@ -481,8 +485,10 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         lens = first.prompt_lens.repeat(len(caches[i:i + per]))
         sums = attention_sums(q, k, lens, banded(first.policies), first.rows)
         sums = weigh(sums, v) if first.weigh_values else sums
-        if first.rank_every:
-            sums.score = torch.cat([c.every for c in caches[i:i + per]])
+        if first.hh_rows != "window":
+            every = torch.cat([c.every for c in caches[i:i + per]])
+            sums.score = (every if first.hh_rows == "every" else
+                          both_scores(sums, every, lens.repeat_interleave(k.shape[1]), first.span))
         parts.append(sums)
     return Profile.cat(parts)
 

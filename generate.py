@@ -349,7 +349,7 @@ def parse_args(argv=None):
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")
-    p.add_argument("--hh-rows", default="window", choices=["window", "every"], help="fastgen: "
+    p.add_argument("--hh-rows", default="window", choices=["window", "every", "both"], help="fastgen: "
                    "rank heavy hitters by the attention of the rows profiled (window, "
                    "--obs-window), or of every prompt row while the recoveries still come from "
                    "the window (every: keeps what the prompt named far back, but reads every "

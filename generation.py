@@ -153,7 +153,7 @@ class CacheOptions:
     r_frequent: float = 0.3           # fastgen: heavy-hitter budget, share of the tokens seen
     kv_budget: float | None = None    # fastgen: budget mode (default 0.5); the others: share kept
     hh_score: str = "mean"            # fastgen: heavy hitters by "mean" or "sum" of attention
-    hh_rows: str = "window"           # fastgen: heavy hitters by the rows profiled or "every" row
+    hh_rows: str = "window"           # fastgen: heavy hitters by the rows profiled, "every" row or "both"
     obs_window: int = 32              # fastgen: prompt rows profiled; 0: every row
     span: int = SPAN                  # fastgen: a prompt token scores its span's most attention
     sink_mass: str = "count"          # fastgen: "count" or "drop" the first token's attention
@@ -179,8 +179,8 @@ class CacheOptions:
         need(self.kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {self.kv!r})")
         need(self.hh_score in ("mean", "sum"),
              f"--hh-score must be mean or sum (got {self.hh_score!r})")
-        need(self.hh_rows in ("window", "every"),
-             f"--hh-rows must be window or every (got {self.hh_rows!r})")
+        need(self.hh_rows in ("window", "every", "both"),
+             f"--hh-rows must be window, every or both (got {self.hh_rows!r})")
         need(self.sink_mass in ("count", "drop"),
              f"--sink-mass must be count or drop (got {self.sink_mass!r})")
         scope_of(self.budget_scope)
@@ -259,7 +259,7 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
         evict.update(page=page_size(max(prompt_lens)))
         prompt_lens = [min(n, o.prefill_chunk) for n in prompt_lens]
     kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", rechoose=o.rechoose,
-              span=o.span, weigh_values=o.weigh_values, rank_every=o.hh_rows == "every",
+              span=o.span, weigh_values=o.weigh_values, hh_rows=o.hh_rows,
               **evict)
     if o.kv == "fastgen" and (o.paper or o.recovery is not None):
         policies = shortlist(o.r_local, o.r_frequent, o.hh_score)

@@ -43,6 +43,9 @@ BAND_ROWS = 128
 # sequences (a model's layers stacked, as `cache.decide` profiles) would read
 # all the keys once per row, bound by memory traffic.
 MIN_ROWS = 64
+# Where heavy hitters ranked by both the rows read and every row put the two
+# rankings level (`both_scores`): 0.5, 0.9 and 0.97 measured alike (README).
+BOTH_QUANTILE = 0.9
 
 
 @dataclass
@@ -198,6 +201,28 @@ def carried(colsum, span: int) -> torch.Tensor:
     if span <= 1:
         return colsum
     return F.max_pool1d(F.pad(colsum[:, None], (span - 1, 0)), span, 1)[:, 0]
+
+
+def both_scores(sums: Profile, every, lens, span: int = 1,
+                q: float = BOTH_QUANTILE) -> torch.Tensor:
+    """(S, T) heavy hitters' scores ranking by both the rows read and every
+    row, as sums over the rows since each token came; lens (S,) each
+    segment's prompt length. A question at the prompt's end points at its
+    needle, which the rows before it barely read; a continuation names again
+    what rows far back attended to and the last rows did not. Per query, a
+    token's score is the larger of the rows read's attention (`sums.colsum`,
+    carried `span` on) and every row's (`every`), scaled so that the two
+    meet at each segment's `q` quantile: the top of either ranking ranks
+    high, about half the heavy hitters from each (README, "Far mentions")."""
+    pos = torch.arange(every.shape[1], device=every.device)
+    seen = (lens[:, None] - pos).clamp(min=1)  # the rows since the token came
+    first = (lens - sums.rows.long())[:, None]  # the first row read
+    window = carried(sums.colsum, span) / (lens[:, None] - torch.maximum(pos, first)).clamp(min=1)
+    every = every / seen
+    top = ((1 - q) * (lens.clamp(min=1) - 1)).long()[:, None]  # the quantile's rank, 0 the top
+    at = lambda x: x.masked_fill(pos >= lens[:, None], -math.inf).sort(  # noqa: E731
+        -1, descending=True).values.gather(1, top).clamp(min=1e-12)
+    return torch.maximum(window, every * (at(window) / at(every))) * seen
 
 
 def weigh(sums: Profile, v) -> Profile:

@@ -155,7 +155,7 @@ def from_record(recorders):
         memo = by_key[layers[0]].sums
         c = caches[0]
         key = (layers, tuple(fastgen_cache.banded(c.policies)), c.rows, c.weigh_values,
-               c.rank_every)
+               c.hh_rows)
         if key not in memo:
             memo[key] = profile_layers(caches)
         return memo[key]

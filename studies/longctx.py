@@ -42,7 +42,8 @@ Then the teacher-forced KL and top-1 agreement against the full cache on
 windows of real text at `--kl-lengths` (evaluate's `text_quality`).
 
 Methods at equal budgets: FastGen's budget mode (`fastgen`; `fastgen-every`
-with heavy hitters ranked by every prompt row, `--hh-rows every`), FastGen's
+with heavy hitters ranked by every prompt row, `--hh-rows every`, and
+`fastgen-both` by both, `--hh-rows both`), FastGen's
 threshold mode and the paper's method at recovery `--thresholds` (their
 share as it comes), `local`, `sink`, `h2o`, `tova`, `snapkv`, and the full
 cache. The x-axis is the KV bytes the caches really allocated over a full
@@ -77,8 +78,8 @@ from studies.textdata import SOURCES, documents, prompts
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 READINGS = ("question_last", "agnostic")
-METHODS = ("full", "fastgen", "fastgen-every", "fastgen-threshold", "fastgen-paper", "local",
-           "sink", "h2o", "tova", "snapkv")
+METHODS = ("full", "fastgen", "fastgen-every", "fastgen-both", "fastgen-threshold",
+           "fastgen-paper", "local", "sink", "h2o", "tova", "snapkv")
 FIXED = ("local", "sink", "h2o", "tova", "snapkv")
 FLOOR = 0.3  # a task the full cache scores below this is left out of the averages
 
@@ -292,9 +293,9 @@ def method_configs(methods, budgets, thresholds, span=None, scopes=None) -> list
                     name, opts["budget_scope"] = f"fastgen/{scope}", scope
                 out += [Config(f"{name} b={b:g}", "fastgen", {"kv_budget": b, **opts})
                         for b in budgets]
-        elif m == "fastgen-every":  # heavy hitters ranked by every row (--hh-rows every)
-            out += [Config(f"fastgen-every b={b:g}", "fastgen",
-                           {"kv_budget": b, "hh_rows": "every", **new}) for b in budgets]
+        elif m in ("fastgen-every", "fastgen-both"):  # heavy hitters by --hh-rows every|both
+            out += [Config(f"{m} b={b:g}", "fastgen",
+                           {"kv_budget": b, "hh_rows": m.split("-")[1], **new}) for b in budgets]
         elif m == "fastgen-threshold":
             out += [Config(f"fastgen-threshold T={t:g}", "fastgen", {"recovery": t, **new})
                     for t in thresholds]

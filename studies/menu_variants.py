@@ -102,7 +102,7 @@ def options(spec: str) -> dict:
                      scope="budget_scope", rank="rank", stride="stride", hh="hh_rows").get(key)
         words = dict(hh_score=("mean", "sum"), both=("min", "mean", "local"),
                      budget_scope=("layer", "model"), rank=("every", "max"),
-                     hh_rows=("window", "every"),
+                     hh_rows=("window", "every", "both"),
                      objective=("linear", "squared"), weigh_values=("0", "1"))
         ok = (value in words[field] or field == "budget_scope" and valid_scope(value)
               if field in words
@@ -112,7 +112,7 @@ def options(spec: str) -> dict:
             raise ValueError(f"bad option {item!r}: w=ROWS (0: every row), score=mean|sum, "
                              "span=N, v=0|1, obj=squared|linear, mix=ROWS, center=0|1, "
                              "scale=0|1, both=min|mean|local, local=F, scope=layer|model|N, "
-                             "rank=every|max, stride=N, hh=window|every, "
+                             "rank=every|max, stride=N, hh=window|every|both, "
                              "N a whole number, F a number")
         out[field] = (bool(int(value)) if field == "weigh_values" else value if field in words
                       else float(value) if field == "local_loss" else int(value))
@@ -520,7 +520,7 @@ def token_losses(model, tok, flags, text: list[int], prompt_len: int, budget: fl
     """One window's continuation token by token: each token's KL under FastGen
     (each variant's cache options) and `h2o` at `budget`, the `most` tokens
     where the first variant loses most against `h2o`, and how far back the
-    prompt last had that token."""
+    prompt last had that token; last, each one's mean over the continuation."""
     import torch.nn.functional as F
     prompt, follow = text[:prompt_len], torch.tensor([text[prompt_len:]])
     rec, n = evaluate.record(model, [prompt]), follow.shape[1]
@@ -540,7 +540,8 @@ def token_losses(model, tok, flags, text: list[int], prompt_len: int, budget: fl
         before = [j for j in range(prompt_len + i) if text[j] == t]
         out.append(dict(step=i, token=tok.decode([t]), back=prompt_len + i - before[-1]
                         if before else None, **{k: v[i].item() for k, v in kl.items()}))
-    return out
+    return out + [dict(step=None, token="(mean)", back=None,
+                       **{k: v.mean().item() for k, v in kl.items()})]
 
 
 def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=12,

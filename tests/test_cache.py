@@ -10,8 +10,8 @@ from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate,
 from model import KVCache, ModelArgs, Transformer
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
-from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, local_ratios, prompt_slots,
-                       recovery, weigh)
+from profiling import (CHUNK_BYTES, Profile, attention_sums, both_scores, carried, local_ratios,
+                       prompt_slots, recovery, weigh)
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
@@ -191,7 +191,7 @@ def prompts_of(lens, seed=0, vocab=256):
 
 @pytest.mark.parametrize("weigh_values", [False, True])
 def test_heavy_hitters_can_rank_by_every_row(weigh_values):
-    """With rank_every, a cache that profiles its last 4 rows keeps the heavy
+    """With hh_rows="every", a cache that profiles its last 4 rows keeps the heavy
     hitters of every row: the same keeps and logits as a cache that profiles
     every row, where without it they differ."""
     model = tiny_model()
@@ -202,7 +202,7 @@ def test_heavy_hitters_can_rank_by_every_row(weigh_values):
     with torch.no_grad():
         every = greedy(model, prompts, fastgen_caches(model, policy, lens, max_new, flags,
                                                       rows=None, **kw), max_new)
-        ranked = fastgen_caches(model, policy, lens, max_new, flags, rows=4, rank_every=True, **kw)
+        ranked = fastgen_caches(model, policy, lens, max_new, flags, rows=4, hh_rows="every", **kw)
         assert torch.equal(greedy(model, prompts, ranked, max_new), every)
         window = greedy(model, prompts, fastgen_caches(model, policy, lens, max_new, flags,
                                                        rows=4, **kw), max_new)
@@ -211,9 +211,51 @@ def test_heavy_hitters_can_rank_by_every_row(weigh_values):
     # Under the budget: the menu's recoveries still come from the window.
     options = CacheOptions("fastgen", kv_budget=0.4, hh_rows="every")
     caches = make_caches(model, options, lens, max_new, flags)
-    assert all(c.rank_every and c.rows == 32 for c in caches)
+    assert all(c.hh_rows == "every" and c.rows == 32 for c in caches)
     with pytest.raises(ValueError, match="--hh-rows"):
         CacheOptions("fastgen", hh_rows="all").check()
+
+
+def test_heavy_hitters_ranked_by_both_keep_the_top_of_each_ranking():
+    """hh_rows="both": a token only the rows read attended to (the needle a
+    question points at) and one only every row's sums favour (a far mention)
+    both outrank the rest, where either ranking alone keeps one of them."""
+    T, rows, needle, mention = 40, 4, 30, 8
+    lens, seen = torch.tensor([T]), (T - torch.arange(T)).float()[None]
+    per_row = 0.01 + 1e-4 * torch.arange(T).float()[None]  # distinct, the newest highest
+    by_window, by_every = per_row.clone(), per_row.clone()  # attention per row that saw it
+    by_window[0, needle], by_every[0, mention] = 0.5, 0.3
+    window = by_window * seen.clamp(max=rows)  # sums over the last 4 rows
+    every = by_every * seen  # sums over the rows since each token came
+    prof = Profile(window, {}, torch.tensor([float(rows)]), window)
+    top2 = lambda s: set(s[0].topk(2).indices.tolist())  # noqa: E731
+    assert mention not in top2(by_window) and needle not in top2(by_every)
+    score = both_scores(prof, every, lens)
+    assert top2(score / seen) == {needle, mention}
+    # The scores are sums over the rows since each token came, as every row's
+    # are: decoding adds its attention to them (first_query 0).
+    slots = prompt_slots(Profile(window, {}, prof.rows, window, score), lens,
+                         torch.zeros(1, T, dtype=torch.long), 1)
+    assert torch.equal(slots.score, score) and int(slots.first_query) == 0
+
+
+def test_both_rankings_run_end_to_end():
+    """A cache under a budget with hh_rows="both" decodes, lets go of every
+    row's sums at the decision, and keeps what neither ranking alone keeps."""
+    model = tiny_model()
+    lens, max_new = [30, 21], 6
+    prompts, flags = prompts_of(lens, seed=5), random_flags(256, 0)
+    policy = [Frequent(0.3) | Local(0.1)]
+    keeps = {}
+    with torch.no_grad():
+        for rows in ("window", "every", "both"):
+            caches = fastgen_caches(model, policy, lens, max_new, flags, rows=4, hh_rows=rows)
+            logits = greedy(model, prompts, caches, max_new)
+            assert all(c.every is None and c.held is None for c in caches)
+            keeps[rows] = logits
+    assert not torch.equal(keeps["both"], keeps["window"])
+    options = CacheOptions("fastgen", kv_budget=0.4, hh_rows="both")
+    assert all(c.hh_rows == "both" for c in make_caches(model, options, lens, max_new, flags))
 
 
 @pytest.mark.parametrize("kind", ["local", "sink", "tova"])
