@@ -166,7 +166,7 @@ class FastGenCache(nn.Module):
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
-        self.every = None  # every row's (S, T) sums from prefill until `decide`, if hh_rows reads them
+        self.every = None  # every row's (S, T) sums, prefill to `decide`, if hh_rows reads them
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     def forward(self, q, k, v, input_pos, tokens):
