@@ -349,12 +349,13 @@ def parse_args(argv=None):
     p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
                    "heavy hitters by attention per query since arrival, every new token "
                    "entering (mean), or by summed attention, as the paper (sum) (default mean)")
-    p.add_argument("--hh-rows", default="window", choices=["window", "every", "both"], help="fastgen: "
-                   "rank heavy hitters by the attention of the rows profiled (window, "
-                   "--obs-window), or of every prompt row while the recoveries still come from "
-                   "the window (every: keeps what the prompt named far back, but reads every "
-                   "row at prefill and loses what a question at the prompt's end asks for; see "
-                   "the README, \"Far mentions\") (default window)")
+    p.add_argument("--hh-rows", default="window", choices=["window", "every", "both"],
+                   help="fastgen: rank heavy hitters by the attention of the rows profiled "
+                   "(window, --obs-window), or of every prompt row (every: keeps what the "
+                   "prompt named far back, loses what a question at the prompt's end asks "
+                   "for), or by the larger of the two per query (both); the recoveries still "
+                   "come from the window, and every and both read every row at prefill, which "
+                   "slows it; see the README, \"Far mentions\" (default window)")
     p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "
                    "prompt rows; 0 reads every row, as the paper (default 32)")
     p.add_argument("--span", type=int, default=SPAN, help="fastgen: a prompt token scores "
