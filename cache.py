@@ -45,9 +45,9 @@ import torch.nn as nn
 import pool
 from model import causal_attention
 from policies import Full, Policy, Slots
-from profiling import (Profile, attention_sums, both_scores, choose, fit_budgets, held_profile,
-                       local_ratios, precision_errors, prompt_slots, recoveries, squared_losses,
-                       weigh)
+from profiling import (Profile, attention_sums, both_scores, choose, fit_budgets, flash_sums,
+                       held_profile, local_ratios, precision_errors, prompt_slots, recoveries,
+                       squared_losses, weigh)
 from quant import rounds, token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
@@ -182,13 +182,17 @@ class FastGenCache(nn.Module):
         t0 = _clock(q.device)
         # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
+        out = None
         if self.hh_rows != "window":  # every row's sums now, while every row's queries are here
-            every = attention_sums(q, k, self.prompt_lens)
+            # With the prompt's attention from the same pass where torch allows it
+            # (profile_s then counts the attention too).
+            out, every = (flash_sums(q, k, v, self.prompt_lens)
+                          or (None, attention_sums(q, k, self.prompt_lens)))
             self.every = (weigh(every, v) if self.weigh_values else every).colsum
         self.head_dim = k.shape[-1]
         self.profile_s = _clock(q.device) - t0
         self.pending.add(self)
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v) if out is None else out
 
     def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots, (S, T), scored by the attention of the rows read,

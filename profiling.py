@@ -121,6 +121,38 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    (lens - first).repeat_interleave(K).float(), (last / G).view(B * K, T))
 
 
+def flash_sums(q, k, v, lens) -> tuple[torch.Tensor, Profile] | None:
+    """The prompt's causal attention (B, H, T, D), as the prefill's, and every
+    row's `attention_sums(q, k, lens)` (colsum and last row), from two passes
+    of torch's CPU flash attention, which a dense pass over the probabilities
+    costs two to three times (README, "Far mentions"); None where that kernel
+    is missing (another device, another torch). The first pass attends and
+    gives each row i its log-sum-exp L_i; token j's column sum is then
+    sum_{i >= j} exp(q_i.k_j / sqrt(D) - L_i), a log-sum-exp of the second
+    pass: the keys attend over the queries, in reverse order, with L_i folded
+    into an extra coordinate (scale 1), padding rows' at -1e9."""
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is None or q.device.type != "cpu":
+        return None
+    B, H, T, D = q.shape
+    K = k.shape[1]
+    ke, ve = k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1)
+    out, lse = flash(q, ke, ve, 0.0, True)  # (B, H, T, D), (B, H, T) float32
+    lse = lse.masked_fill(torch.arange(T, device=q.device) >= lens[:, None, None], 1e9)
+    # An extra coordinate, then zeros to a multiple of 8 (the kernel's vector width).
+    pad = lambda x, last: torch.cat([x.float(), last[..., None], x.new_zeros(  # noqa: E731
+        B, H, T, 7, dtype=torch.float32)], -1).flip(2)
+    keys, rows = pad(ke, torch.ones_like(lse)), pad(q.float() / math.sqrt(D), -lse)
+    _, col = flash(keys, rows, rows, 0.0, True, scale=1.0)  # (B, H, T) reversed
+    col = col.flip(2).exp().masked_fill(torch.arange(T, device=q.device) >= lens[:, None, None], 0)
+    last_q = q[torch.arange(B), :, lens - 1].float()  # (B, H, D): each prompt's last row
+    last = ((last_q[:, :, None] @ ke.float().transpose(-1, -2))[:, :, 0] / math.sqrt(D)
+            - lse[torch.arange(B), :, lens - 1, None]).exp()  # (B, H, T), 0 past the row
+    last = last.masked_fill(torch.arange(T, device=q.device) >= lens[:, None, None], 0)
+    mean = lambda x: x.view(B, K, H // K, T).mean(2).flatten(0, 1)  # noqa: E731
+    return out, Profile(mean(col), {}, lens.repeat_interleave(K).float(), mean(last))
+
+
 def chunk_rows(heads: int, T: int, n_ratios: int, chunk_bytes: int) -> int:
     """Query rows per chunk: as many as `chunk_bytes` of float32 probabilities
     hold for `heads` (B * H) heads of T keys, and, when Local bands are summed,

@@ -7,11 +7,11 @@ import cache
 import pool
 from cache import FastGenCache, fastgen_caches
 from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
-from model import KVCache, ModelArgs, Transformer
+from model import KVCache, ModelArgs, Transformer, causal_attention
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
-from profiling import (CHUNK_BYTES, Profile, attention_sums, both_scores, carried, local_ratios,
-                       prompt_slots, recovery, weigh)
+from profiling import (CHUNK_BYTES, Profile, attention_sums, both_scores, carried, flash_sums,
+                       local_ratios, prompt_slots, recovery, weigh)
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
@@ -29,6 +29,24 @@ PROFILED = [*shortlist(0.3, 0.3), *shortlist(0.2, 0.4, "mean")[2:4], baseline("l
             baseline("sink", 0.2), baseline("h2o", 0.5), Special() | Local(0.2),
             Sink(2) | Frequent(0.25), TOVA(0.4), SnapKV(0.5, window=3, kernel=3),
             Local(0.1) | Local(0.3)]
+
+
+def test_flash_sums_are_every_rows_sums():
+    """flash_sums: the prefill's attention to the bit, and every row's column
+    sums and last row as attention_sums takes them densely, padding ignored."""
+    g = torch.Generator().manual_seed(3)
+    B, H, K, D, lens = 2, 6, 2, 8, torch.tensor([13, 7])
+    q, k, v = (torch.randn(B, n, 13, D, generator=g) * 2 for n in (H, K, K))
+    q[1, :, 7:], k[1, :, 7:] = 100, -100  # padding: junk that must not count
+    got = flash_sums(q, k, v, lens)
+    if got is None:
+        pytest.skip("this torch has no CPU flash attention kernel")
+    out, sums = got
+    want = attention_sums(q, k, lens)
+    assert torch.equal(out, causal_attention(q, k, v))
+    torch.testing.assert_close(sums.colsum, want.colsum, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums.last, want.last, atol=1e-6, rtol=1e-5)
+    assert torch.equal(sums.rows, want.rows)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 5, None])
