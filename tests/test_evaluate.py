@@ -39,11 +39,12 @@ def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("kv, options", [("fastgen", {"recovery": 0.9}),
                                          ("fastgen", {"recovery": 0.9, "paper": True}),
                                          ("fastgen", {"kv_budget": 0.4}),
+                                         ("fastgen", {"kv_budget": 0.4, "hh_rows": "both"}),
                                          ("h2o", {"kv_budget": 0.4}), ("snapkv", {"kv_budget": 0.5}),
                                          ("tova", {"kv_budget": 0.3}), ("full", {})])
 def test_replay_equals_score(tiny_ckpt, kv, options):
     """Building the caches from a recorded prefill, with profiling shared,
-    decodes exactly what generation.score decodes."""
+    decodes exactly what generation.score decodes, again from the same record."""
     model, tok = load_model(tiny_ckpt), Tokenizer(tiny_ckpt)
     flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
     torch.manual_seed(0)
@@ -55,6 +56,8 @@ def test_replay_equals_score(tiny_ckpt, kv, options):
     got, nbytes, kept = evaluate.replay(model, rec, evaluate.Config(kv, kv, options), 6, follow, flags)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert nbytes > 0 and 0 < kept <= 1
+    again = evaluate.replay(model, rec, evaluate.Config(kv, kv, options), 6, follow, flags)[0]
+    assert torch.equal(again, got)
 
 
 def test_text_quality_halves(tiny_ckpt):
