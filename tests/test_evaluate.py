@@ -165,9 +165,12 @@ def test_menu_variants_estimates_and_hindsight(tiny_ckpt, tmp_path):
         (min(a[0], b[0]) + min(a[1], b[1])) / 2)
     tokens = menu_variants.main(out=str(tmp_path / "tk"), token_window=1,
                                 variants=["default", "default:hh=every"], **kw)
+    *tokens, mean = tokens  # every token of the 4 (at most 10 listed), then the means
     assert len(tokens) == 4 and all(r["h2o"] >= 0 and r["default"] >= 0 for r in tokens)
     assert [r["default"] - r["h2o"] for r in tokens] == sorted(
         (r["default"] - r["h2o"] for r in tokens), reverse=True)
+    assert mean["token"] == "(mean)" and all(mean[k] == pytest.approx(
+        sum(r[k] for r in tokens) / 4) for k in ("h2o", "default", "default:hh=every"))
     # Windows scored apart average to the KL of windows scored together.
     assert each["h2o b=0.5"]["kl"] == pytest.approx(rows["h2o b=0.5"]["kl"], rel=1e-3)
 
