@@ -166,7 +166,7 @@ class FastGenCache(nn.Module):
         # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
-        self.every = None  # every row's (S, T) sums, prefill to `decide`, if hh_rows reads them
+        self.every = None  # every row's Profile, prefill to `decide`, where it is read
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     def forward(self, q, k, v, input_pos, tokens):
@@ -183,12 +183,13 @@ class FastGenCache(nn.Module):
         # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
         out = None
-        if self.hh_rows != "window":  # every row's sums now, while every row's queries are here
-            # With the prompt's attention from the same pass where torch allows it
-            # (profile_s then counts the attention too).
-            out, every = (flash_sums(q, k, v, self.prompt_lens)
-                          or (None, attention_sums(q, k, self.prompt_lens)))
-            self.every = (weigh(every, v) if self.weigh_values else every).colsum
+        # Every row's sums now, while every row's queries are here, for heavy
+        # hitters that rank by them or a policy that reads every row and no
+        # band (h2o); with the prompt's attention from the same pass where
+        # torch allows it (profile_s then counts the attention too).
+        if self.hh_rows != "window" or (self.rows is None and not banded(self.policies)):
+            out, self.every = (flash_sums(q, k, v, self.prompt_lens)
+                               or (None, attention_sums(q, k, self.prompt_lens)))
         self.head_dim = k.shape[-1]
         self.profile_s = _clock(q.device) - t0
         self.pending.add(self)
@@ -485,12 +486,15 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
     per = max(1, HELD_BYTES // sum(t.nbytes for t in first.held[:3]))
     parts = []
     for i in range(0, len(caches), per):
-        q, k, v = (torch.cat([c.held[j] for c in caches[i:i + per]]) for j in range(3))
-        lens = first.prompt_lens.repeat(len(caches[i:i + per]))
-        sums = attention_sums(q, k, lens, banded(first.policies), first.rows)
+        group = caches[i:i + per]
+        q, k, v = (torch.cat([c.held[j] for c in group]) for j in range(3))
+        lens = first.prompt_lens.repeat(len(group))
+        every = None if first.every is None else Profile.cat([c.every for c in group])
+        sums = (every if first.rows is None and every is not None  # taken at prefill
+                else attention_sums(q, k, lens, banded(first.policies), first.rows))
         sums = weigh(sums, v) if first.weigh_values else sums
         if first.hh_rows != "window":
-            every = torch.cat([c.every for c in caches[i:i + per]])
+            every = (weigh(every, v) if first.weigh_values else every).colsum
             sums.score = (every if first.hh_rows == "every" else
                           both_scores(sums, every, lens.repeat_interleave(k.shape[1]), first.span))
         parts.append(sums)

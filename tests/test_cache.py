@@ -293,6 +293,26 @@ def test_a_policy_that_reads_no_sums_profiles_the_last_row_alone(kind):
         assert make_caches(model, CacheOptions(kind), lens, max_new, flags)[0].rows != 1
 
 
+def test_a_policy_that_reads_every_row_sums_them_at_prefill(monkeypatch):
+    """h2o reads every row and no band: its caches take every row's sums in
+    the prefill's own pass (flash_sums, where torch has it) and decode as
+    with the dense sums."""
+    model = tiny_model()
+    lens, max_new = [30, 21], 8
+    prompts, flags = prompts_of(lens, seed=3), random_flags(256, 0)
+    if flash_sums(*(torch.zeros(1, 1, 2, 8),) * 3, torch.tensor([2])) is None:
+        pytest.skip("this torch has no CPU flash attention kernel")
+    calls = []
+    monkeypatch.setattr(cache, "flash_sums", lambda *a: calls.append(1) or flash_sums(*a))
+    options = CacheOptions("h2o", kv_budget=0.3)
+    with torch.no_grad():
+        got = greedy(model, prompts, make_caches(model, options, lens, max_new, flags), max_new)
+        assert len(calls) == model.args.n_layers
+        monkeypatch.setattr(cache, "flash_sums", lambda *a: None)  # the dense sums
+        dense = greedy(model, prompts, make_caches(model, options, lens, max_new, flags), max_new)
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("policies, threshold", [(shortlist(0.2, 0.2), 0.8),
                                                  ([baseline("h2o", 0.4)], 0.0),
                                                  ([Special() | Punct() | Local(0.2)], 0.0)],
