@@ -749,8 +749,8 @@ def parse_args(argv=None):
                         "kept (default 0.125 0.25 0.5)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
                    help=f"methods, of {' '.join(METHODS)} (default full fastgen fastgen-threshold "
-                        "snapkv: the others profile every prompt row, the fixed ones one profile "
-                        "per prompt for all, about 45 s a 2k prompt, 4x per doubling); fastgen is "
+                        "snapkv; fastgen-every, fastgen-both, fastgen-paper and h2o read every "
+                        "prompt row, which costs 4x per doubling of the length); fastgen is "
                         "the budget mode, "
                         "fastgen-threshold and fastgen-paper run at --thresholds; the full cache "
                         "always runs (the reference)")
