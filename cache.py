@@ -115,10 +115,12 @@ class FastGenCache(nn.Module):
     minus their summed squared losses ("squared", profiling.squared_losses).
     `hh_rows` says what heavy hitters rank by: the rows read ("window"), or
     every prompt row's attention ("every", per query since the token came,
-    weighed as the recoveries are), or the sum of both per query ("both",
-    profiling.both_scores), while the recoveries still come from the last
-    `rows`: a continuation often names again what the prompt named far back,
-    which every row attended to and the last rows did not (README, "Far mentions").
+    weighed as the recoveries are), or the larger of the two per query once
+    scaled alike ("both", profiling.both_scores); the recoveries still come
+    from the last `rows`. A continuation often names again what the prompt
+    named far back, which every row attended to and the last rows did not
+    (README, "Far mentions"). Every row's sums are taken at prefill (`every`),
+    for these and for a policy that reads every row and no band (h2o).
     """
 
     def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
@@ -494,9 +496,9 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
                 else attention_sums(q, k, lens, banded(first.policies), first.rows))
         sums = weigh(sums, v) if first.weigh_values else sums
         if first.hh_rows != "window":
-            every = (weigh(every, v) if first.weigh_values else every).colsum
-            sums.score = (every if first.hh_rows == "every" else
-                          both_scores(sums, every, lens.repeat_interleave(k.shape[1]), first.span))
+            col = (weigh(every, v) if first.weigh_values else every).colsum
+            sums.score = (col if first.hh_rows == "every" else
+                          both_scores(sums, col, lens.repeat_interleave(k.shape[1]), first.span))
         parts.append(sums)
     return Profile.cat(parts)
 

@@ -55,8 +55,8 @@ class Profile:
     bands: dict[float, torch.Tensor]  # Local ratio -> (S, T) its band sum
     rows: torch.Tensor                # (S,) query rows read
     last: torch.Tensor                # (S, T) attention from the last prompt row alone
-    # (S, T) what heavy hitters rank by when not the rows read: every prompt row's
-    # attention (`FastGenCache(rank_every=True)`); None: colsum, carried.
+    # (S, T) what heavy hitters rank by when not the rows read's: every prompt
+    # row's attention, or both (`FastGenCache(hh_rows=...)`); None: colsum, carried.
     score: torch.Tensor | None = None
 
     @staticmethod
@@ -138,17 +138,18 @@ def flash_sums(q, k, v, lens) -> tuple[torch.Tensor, Profile] | None:
     K = k.shape[1]
     ke, ve = k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1)
     out, lse = flash(q, ke, ve, 0.0, True)  # (B, H, T, D), (B, H, T) float32
-    lse = lse.masked_fill(torch.arange(T, device=q.device) >= lens[:, None, None], 1e9)
+    padding = torch.arange(T, device=q.device) >= lens[:, None, None]  # (B, 1, T)
+    lse = lse.masked_fill(padding, 1e9)
     # An extra coordinate, then zeros to a multiple of 8 (the kernel's vector width).
     pad = lambda x, last: torch.cat([x.float(), last[..., None], x.new_zeros(  # noqa: E731
         B, H, T, 7, dtype=torch.float32)], -1).flip(2)
     keys, rows = pad(ke, torch.ones_like(lse)), pad(q.float() / math.sqrt(D), -lse)
     _, col = flash(keys, rows, rows, 0.0, True, scale=1.0)  # (B, H, T) reversed
-    col = col.flip(2).exp().masked_fill(torch.arange(T, device=q.device) >= lens[:, None, None], 0)
-    last_q = q[torch.arange(B), :, lens - 1].float()  # (B, H, D): each prompt's last row
+    col = col.flip(2).exp().masked_fill(padding, 0)
+    b = torch.arange(B, device=q.device)
+    last_q = q[b, :, lens - 1].float()  # (B, H, D): each prompt's last row
     last = ((last_q[:, :, None] @ ke.float().transpose(-1, -2))[:, :, 0] / math.sqrt(D)
-            - lse[torch.arange(B), :, lens - 1, None]).exp()  # (B, H, T), 0 past the row
-    last = last.masked_fill(torch.arange(T, device=q.device) >= lens[:, None, None], 0)
+            - lse[b, :, lens - 1, None]).exp().masked_fill(padding, 0)  # (B, H, T)
     mean = lambda x: x.view(B, K, H // K, T).mean(2).flatten(0, 1)  # noqa: E731
     return out, Profile(mean(col), {}, lens.repeat_interleave(K).float(), mean(last))
 
