@@ -115,9 +115,9 @@ class FastGenCache(nn.Module):
     minus their summed squared losses ("squared", profiling.squared_losses).
     `hh_rows` says what heavy hitters rank by: the rows read ("window"), or
     every prompt row's attention ("every", per query since the token came,
-    weighed as the recoveries are), or the larger of the two per query once
-    scaled alike ("both", profiling.both_scores); the recoveries still come
-    from the last `rows`. A continuation often names again what the prompt
+    weighed as the recoveries are), or both ("both", profiling.both_scores:
+    every row's top tenth of the prompt first, then the rows read's order; TOVA
+    ranks the prompt so too); the recoveries still come from the last `rows`. A continuation often names again what the prompt
     named far back, which every row attended to and the last rows did not
     (README, "Far mentions"). Every row's sums are taken at prefill (`every`),
     for these and for a policy that reads every row and no band (h2o).
@@ -497,8 +497,11 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         sums = weigh(sums, v) if first.weigh_values else sums
         if first.hh_rows != "window":
             col = (weigh(every, v) if first.weigh_values else every).colsum
-            sums.score = (col if first.hh_rows == "every" else
-                          both_scores(sums, col, lens.repeat_interleave(k.shape[1]), first.span))
+            if first.hh_rows == "every":
+                sums.score = col
+            else:
+                sums.score, sums.last = both_scores(sums, col, lens.repeat_interleave(k.shape[1]),
+                                                    first.span)
         parts.append(sums)
     return Profile.cat(parts)
 

@@ -353,7 +353,8 @@ def parse_args(argv=None):
                    help="fastgen: rank heavy hitters by the attention of the rows profiled "
                    "(window, --obs-window), or of every prompt row (every: keeps what the "
                    "prompt named far back, loses what a question at the prompt's end asks "
-                   "for), or by the larger of the two per query (both); the recoveries still "
+                   "for), or both (every row's top tenth of the prompt first, then the window's "
+                   "order; TOVA's prompt ranking too); the recoveries still "
                    "come from the window, and every and both read every row at prefill, which "
                    "slows it; see the README, \"Far mentions\" (default window)")
     p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "

@@ -62,7 +62,7 @@ def test_chunked_recovery_equals_brute_force(chunk_rows, rows, sink):
     lens_t = torch.tensor(lens)
     chunk_bytes = chunk_rows * B * H * T * 4 if chunk_rows else CHUNK_BYTES
     positions = torch.arange(T)
-    per_seg = lambda t: t.repeat_interleave(K, dim=0)  # (B, ...) -> (S, ...)
+    per_seg = lambda t: t.repeat_interleave(K, dim=0)  # noqa: E731  (B, ...) -> (S, ...)
     ratios = local_ratios(PROFILED)
     prof = attention_sums(q, k, lens_t, ratios, rows, chunk_bytes)
     whole = attention_sums(q, k, lens_t, ratios, rows, chunk_bytes=1 << 40)
@@ -235,9 +235,10 @@ def test_heavy_hitters_can_rank_by_every_row(weigh_values):
 
 
 def test_heavy_hitters_ranked_by_both_keep_the_top_of_each_ranking():
-    """hh_rows="both": a token only the rows read attended to (the needle a
-    question points at) and one only every row's sums favour (a far mention)
-    both outrank the rest, where either ranking alone keeps one of them."""
+    """hh_rows="both": every row's top share of the prompt ranks first (a far
+    mention only every row's sums favour), then the rows read's order (the
+    needle a question points at); TOVA's prompt ranking, the last row's, too.
+    Either ranking alone keeps one of the two in its top 5."""
     T, rows, needle, mention = 40, 4, 30, 8
     lens, seen = torch.tensor([T]), (T - torch.arange(T)).float()[None]
     per_row = 0.01 + 1e-4 * torch.arange(T).float()[None]  # distinct, the newest highest
@@ -245,11 +246,12 @@ def test_heavy_hitters_ranked_by_both_keep_the_top_of_each_ranking():
     by_window[0, needle], by_every[0, mention] = 0.5, 0.3
     window = by_window * seen.clamp(max=rows)  # sums over the last 4 rows
     every = by_every * seen  # sums over the rows since each token came
-    prof = Profile(window, {}, torch.tensor([float(rows)]), window)
-    top2 = lambda s: set(s[0].topk(2).indices.tolist())  # noqa: E731
-    assert mention not in top2(by_window) and needle not in top2(by_every)
-    score = both_scores(prof, every, lens)
-    assert top2(score / seen) == {needle, mention}
+    prof = Profile(window, {}, torch.tensor([float(rows)]), by_window)  # the last row: by_window
+    top = lambda s, n: set(s[0].topk(n).indices.tolist())  # noqa: E731
+    assert mention not in top(by_window, 5) and needle not in top(by_every, 5)
+    score, last = both_scores(prof, every, lens, first=0.1)  # ceil(0.1 * 40) = 4 first
+    assert top(score / seen, 4) == top(by_every, 4) and needle in top(score / seen, 5)
+    assert top(last, 4) == top(by_every, 4) and needle in top(last, 5)
     # The scores are sums over the rows since each token came, as every row's
     # are: decoding adds its attention to them (first_query 0).
     slots = prompt_slots(Profile(window, {}, prof.rows, window, score), lens,
