@@ -353,8 +353,8 @@ def parse_args(argv=None):
                    help="fastgen: rank heavy hitters by the attention of the rows profiled "
                    "(window, --obs-window), or of every prompt row (every: keeps what the "
                    "prompt named far back, loses what a question at the prompt's end asks "
-                   "for), or both (every row's top tenth of the prompt first, then the window's "
-                   "order; TOVA's prompt ranking too); the recoveries still "
+                   "for), or both (the two rankings taking turns, every row's until it brought a "
+                   "tenth of the prompt; TOVA's prompt ranking too); the recoveries still "
                    "come from the window, and every and both read every row at prefill, which "
                    "slows it; see the README, \"Far mentions\" (default window)")
     p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "

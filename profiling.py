@@ -44,7 +44,7 @@ BAND_ROWS = 128
 # all the keys once per row, bound by memory traffic.
 MIN_ROWS = 64
 # Heavy hitters ranked by both the rows read and every row (`both_scores`):
-# the share of each prompt that every row's ranking puts first. 0.1 and 0.2
+# the most of each prompt that every row's ranking brings. 0.1 and 0.2
 # measured; the larger of the two rankings per query lost at 80% kept (README).
 BOTH_SHARE = 0.1
 
@@ -238,27 +238,36 @@ def carried(colsum, span: int) -> torch.Tensor:
 
 
 def both_scores(sums: Profile, every, lens, span: int = 1,
-                first: float = BOTH_SHARE) -> tuple[torch.Tensor, torch.Tensor]:
+                most: float = BOTH_SHARE) -> tuple[torch.Tensor, torch.Tensor]:
     """Heavy hitters' scores and TOVA's prompt ranking, each (S, T), ranking by
     both the rows read and every row; every (S, T) every row's sums, lens (S,)
     each segment's prompt length. A question at the prompt's end points at its
     needle, which the rows before it barely read; a continuation names again
-    what rows far back attended to and the last rows did not. The `first`
-    share of each prompt with the most attention per query over every row
-    ranks first, then the rest as the rows read rank them (`sums.colsum`,
-    carried `span` on; for TOVA the last row): of a quarter kept, 40% comes
-    from every row's ranking, of 80% an eighth, where the rows read's own
-    order is what matters most (README, "`--hh-rows both`"). TOVA takes it
-    too: else the knapsack, which measures each shape on the rows read, finds
-    TOVA's keep in-sample where the others' no longer are, and picks it for
-    most heads. The scores are sums over the rows since each token came."""
+    what rows far back attended to and the last rows did not. The two
+    rankings take turns, the rows read's first (`sums.colsum`, carried `span`
+    on; for TOVA the last row), every row's (attention per query since the
+    token came) until it has brought the `most` share of the prompt: half of
+    a small keep comes from each, of 80% kept an eighth from every row's,
+    where the rows read's own order matters most. Each token takes the value
+    the rows read give the token at its rank, so that the scores keep their
+    scale (README, "`--hh-rows both`"). TOVA takes it too: else the knapsack,
+    which measures each shape on the rows read, finds TOVA's keep in-sample
+    where the others' no longer are, and picks it for most heads. The scores
+    are sums over the rows since each token came."""
     pos = torch.arange(every.shape[1], device=every.device)
+    valid = pos < lens[:, None]
     seen = (lens[:, None] - pos).clamp(min=1)  # the rows since the token came
     read = (lens - sums.rows.long())[:, None]  # the first row read
     window = carried(sums.colsum, span) / (lens[:, None] - torch.maximum(pos, read)).clamp(min=1)
-    ahead = ranks(every / seen, pos < lens[:, None]) < shares([first], lens)[0][:, None]
-    ranked = lambda x: torch.where(ahead, x + x.amax(-1, keepdim=True), x)  # noqa: E731
-    return ranked(window) * seen, ranked(sums.last)
+    turn = ranks(every / seen, valid)  # every row's rank, 0 the top
+    turn = torch.where(turn < shares([most], lens)[0][:, None], 2 * turn + 1, every.shape[1] * 2)
+
+    def taking_turns(x):
+        rank = ranks(-torch.minimum(2 * ranks(x, valid), turn).float(), valid)
+        return x.masked_fill(~valid, -math.inf).sort(-1, descending=True).values.gather(
+            1, rank).masked_fill(~valid, 0)
+
+    return taking_turns(window) * seen, taking_turns(sums.last)
 
 
 def weigh(sums: Profile, v) -> Profile:
