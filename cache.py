@@ -117,7 +117,8 @@ class FastGenCache(nn.Module):
     every prompt row's attention ("every", per query since the token came,
     weighed as the recoveries are), or both ("both", profiling.both_scores:
     the two rankings taking turns, every row's until it brought a tenth of
-    the prompt; TOVA ranks the prompt so too); the recoveries still come from the last `rows`. A continuation often names again what the prompt
+    the prompt; TOVA ranks the prompt so too); the recoveries still come
+    from the last `rows`. A continuation often names again what the prompt
     named far back, which every row attended to and the last rows did not
     (README, "Far mentions"). Every row's sums are taken at prefill (`every`),
     for these and for a policy that reads every row and no band (h2o).
