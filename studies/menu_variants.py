@@ -548,7 +548,7 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
          prompt_len=768, new_tokens=64, threads=1, out="results/evaluate/menu_variants",
          ckpt=None, norms: bool = False, heads: bool = False,
          evict_every: int | None = None, per_window: bool = False,
-         token_window: int | None = None) -> dict:
+         token_window: int | None = None, h2o: bool = True) -> dict:
     from generation import flags_of, load
     from studies.textdata import prompts
     torch.set_num_threads(threads)
@@ -577,7 +577,7 @@ def main(*, text="usenet", variants=("default",), budgets=(0.25, 0.5), windows=1
     rows = {}
     every = {} if evict_every is None else {"evict_every": evict_every}
     fixed = [Config("full", "full", {})] + [Config(f"h2o b={b:g}", "h2o", {"kv_budget": b, **every})
-                                            for b in budgets]
+                                            for b in budgets if h2o]
     def quality(cfgs):
         if not per_window:
             return evaluate.text_quality(model, texts, new_tokens, cfgs, flags, windows, 0.3, 0.3)
@@ -655,6 +655,8 @@ def parse_args(argv=None):
     p.add_argument("--per-window", action="store_true", help="score each window apart and "
                    "add each window's KL (kl_by_window) and, per budget, the mean of each "
                    "window's best FastGen variant: what choosing a variant per prompt could gain")
+    p.add_argument("--no-h2o", dest="h2o", action="store_false", help="leave out the `h2o` "
+                   "rows run beside the variants by default (about a third of a run's time)")
     p.add_argument("--evict-every", type=int, help="steps between evictions for every row, "
                    "h2o's included (default: the cache's; 1000: none in 64 steps)")
     p.add_argument("--heads", action="store_true", help="instead, compare each head's recovery "

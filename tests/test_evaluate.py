@@ -117,6 +117,12 @@ def test_menu_variants_run(tiny_ckpt, tmp_path):
                           "fastgen[default:w=0/score=sum/span=1/mix=8] b=0.5"]
     assert rows["full"]["kl"] == 0 and all(r["kl"] >= 0 for r in rows.values())
     assert (tmp_path / "mv.json").is_file()
+    alone = menu_variants.main(ckpt=str(tiny_ckpt), text="pydoc", budgets=(0.5,), windows=2,
+                               prompt_len=40, new_tokens=4, out=str(tmp_path / "mv"),
+                               variants=["default"], h2o=False)
+    assert list(alone) == ["full", "fastgen[default] b=0.5"]  # --no-h2o
+    assert alone["fastgen[default] b=0.5"] == rows["fastgen[default] b=0.5"]
+    assert not menu_variants.parse_args(["--no-h2o"]).h2o
     import generation
     from policies import menu
     assert generation.menu is menu  # restored
