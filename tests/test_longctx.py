@@ -212,6 +212,25 @@ def test_quick_run_writes_sane_outputs(ckpt, tmp_path):
     cases = saved["cases"][length]["agnostic"]["fastgen b=0.25"]
     assert len(cases) == len(longctx.TASKS) and {c["task"] for c in cases} == set(longctx.TASKS)
 
+    # studies/needle_depth.py: the needle cases by depth, rebuilt from the run's seed.
+    from generation import load
+    from studies import needle_depth
+    _, tok = load(str(ckpt))
+    made = needle_depth.depths(tok, saved["meta"], int(length))
+    assert [m[1] for m in made] == [c["required"] for c in cases]
+    assert all(0 < m[2] < 1 for m in made if m[0].startswith("niah"))
+    cases[0]["score"] = 1.0  # niah_single's case, found: counted in its needle's band
+    band = sum(made[0][2] >= e for e in needle_depth.EDGES)
+    got = needle_depth.by_depth([saved], tok, rows=["fastgen b=0.25"])[length]["agnostic"]
+    assert sum(got["cases"]) == sum(t.startswith("niah") for t in longctx.TASKS)
+    assert got["rows"]["fastgen b=0.25"] == [float(b == band) for b in range(4)]
+    assert "| fastgen b=0.25 |" in needle_depth.report({length: {"agnostic": got}})
+    cases[0]["required"] = ["not the answer"]
+    with pytest.raises(ValueError, match="rebuilt cases"):
+        needle_depth.by_depth([saved], tok, rows=["fastgen b=0.25"])
+    with pytest.raises(SystemExit):  # a usage error, before any model loads
+        needle_depth.main([str(tmp_path / "lc.md")])
+
 
 def test_text_quality_alone(ckpt, tmp_path):
     """No --lengths: the text's KL alone, and a report without tasks or picture."""
