@@ -37,6 +37,21 @@ def depths(tok, meta: dict, length: int) -> list[tuple[str, list[str], float]]:
     return out
 
 
+def by_band(cases: list[dict], made, edges=EDGES) -> tuple[list[int], list[float]]:
+    """The needle cases per depth band and the sum of their scores per band;
+    `made` the rebuilt cases (`depths`) the recorded `cases` must match."""
+    if [c["required"] for c in cases] != [m[1] for m in made]:
+        raise ValueError("the recorded answers are not those of the rebuilt cases "
+                         "(another seed, text or version)")
+    counts, found = [0] * (len(edges) + 1), [0.0] * (len(edges) + 1)
+    for c, (task, _, depth) in zip(cases, made):
+        if task.startswith("niah"):
+            b = bisect.bisect(edges, depth)
+            counts[b] += 1
+            found[b] += c["score"]
+    return counts, found
+
+
 def by_depth(runs: list[dict], tok, rows=None, edges=EDGES) -> dict:
     """{length: {reading: {"cases": per band, "rows": {method: found per band}}}}
     over the needle tasks; found: the sum of the cases' scores."""
@@ -46,21 +61,13 @@ def by_depth(runs: list[dict], tok, rows=None, edges=EDGES) -> dict:
             made = depths(tok, run["meta"], int(length))
             for reading, methods in by_reading.items():
                 slot = out.setdefault(length, {}).setdefault(reading, {"rows": {}})
-                for name, cases in methods.items():
-                    if rows and name not in rows:
-                        continue
-                    if [c["required"] for c in cases] != [m[1] for m in made]:
-                        raise ValueError(f"{name} at {length}: the recorded answers are not those "
-                                         "of the rebuilt cases (another seed, text or version)")
-                    keep = [(c, m[2]) for c, m in zip(cases, made) if c["task"].startswith("niah")]
-                    bands = [bisect.bisect(edges, d) for _, d in keep]
-                    counts = [bands.count(b) for b in range(len(edges) + 1)]
+                for name in [n for n in methods if not rows or n in rows]:
+                    try:
+                        counts, slot["rows"][name] = by_band(methods[name], made, edges)
+                    except ValueError as e:
+                        raise ValueError(f"{name} at {length}: {e}") from None
                     if slot.setdefault("cases", counts) != counts:
                         raise ValueError(f"{name} at {length}: the runs hold different cases")
-                    found = [0.0] * (len(edges) + 1)
-                    for (c, _), b in zip(keep, bands):
-                        found[b] += c["score"]
-                    slot["rows"][name] = found
     return out
 
 
@@ -97,8 +104,9 @@ def main(argv=None) -> dict:
             p.error(f"cannot read {f}: {e}")
         if "cases" not in runs[-1]:
             p.error(f"{f} is not a studies.longctx result (no cases)")
-    from generation import load
-    _, tok = load(a.ckpt)
+    from convert_gguf import checkpoint_folder
+    from tokenizer import Tokenizer
+    tok = Tokenizer(checkpoint_folder(a.ckpt))  # the tokenizer alone, not the weights
     try:
         got = by_depth(runs, tok, a.rows)
     except ValueError as e:
