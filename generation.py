@@ -18,18 +18,13 @@ from dataclasses import KW_ONLY, asdict, dataclass, field, replace
 import torch
 
 import tp
-from cache import fastgen_caches, reserve
+from cache import default_method, fastgen_caches, fixed_method, paper_method
+from model import KVCache, Transformer, reserve
 from pool import page_size
-from model import KVCache, Transformer
-from policies import Full, SnapKV, baseline, menu, shortlist, token_flags
+from policies import token_flags
 from quant import BITS, storage_dtype
 
 KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
-# FastGen's default span (`--span`, profiling.carried), chosen on the
-# documentation text alone among 1, 4, 8 and 16 by the mean KL over budgets
-# 0.25, 0.5 and 0.75 (0.0571, 0.0461, 0.0373, 0.0365), then measured on the
-# other texts and on needles (README, "The span" and Results).
-SPAN = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --- Sampling ---------------------------------------------------------------
@@ -144,147 +139,88 @@ def decode(model: Transformer, cur, input_pos, max_steps: int, emit, compile: bo
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """Which cache to decode with and how it compresses: the command line's cache flags
-    (`--kv`, `--recovery`, ...; see generate.py --help), built once and passed down."""
-    kv: str = "full"                  # one of KV_KINDS
+    """Which cache to decode with: the command line's cache flags, built once and
+    passed down (generate.py --help says what each accepts).
+
+    kv : str, default "full"
+        one of KV_KINDS: full, fastgen, or a fixed policy for every head
+    kv_budget : float, optional
+        fastgen: the share of a full cache's bytes all heads share (default 0.5);
+        a fixed policy: the share of the prompt each head keeps (default 0.5)
+    paper : bool, default False
+        fastgen: the paper's method (threshold mode) instead of the default
+    recovery : float, optional
+        the paper's threshold T (default 0.95)
+    kv_bits : tuple of int, optional
+        the precisions keys and values are stored at; several: fastgen's menu
+        at each (its budget a share of a 16-bit cache's bytes)
+    prefill_chunk : int, optional
+        read prompts in pieces of this many tokens
+    """
+    kv: str = "full"
     _: KW_ONLY
-    recovery: float | None = None     # fastgen: threshold mode, the paper's (T)
-    r_local: float = 0.3              # fastgen: Local window, share of the prompt
-    r_frequent: float = 0.3           # fastgen: heavy-hitter budget, share of the tokens seen
-    kv_budget: float | None = None    # fastgen: budget mode (default 0.5); the others: share kept
-    hh_score: str = "mean"            # fastgen: heavy hitters by "mean" or "sum" of attention
-    hh_rows: str = "window"           # fastgen: heavy hitters by the rows profiled, "every" row or "both"
-    obs_window: int = 32              # fastgen: prompt rows profiled; 0: every row
-    span: int = SPAN                  # fastgen: a prompt token scores its span's most attention
-    sink_mass: str = "count"          # fastgen: "count" or "drop" the first token's attention
-    weigh_values: bool = True         # fastgen: a prompt token's attention times its value's norm
-    paper: bool = False               # fastgen: the paper's literal method
-    evict_every: int | None = None    # compressed caches: steps between evictions
-    prefill_chunk: int | None = None  # read prompts in pieces of this many tokens
-    rechoose: bool = True             # fastgen: choose each head's policy again at every chunk
-    kv_bits: tuple[int, ...] | None = None  # compressed caches: precisions a head may store at
-    budget_scope: str = "6"           # fastgen: whose budget, "layer", N layers' or "model"
-    objective: str = "squared"        # fastgen: the knapsack's, "squared" losses or "linear"
+    kv_budget: float | None = None
+    paper: bool = False
+    recovery: float | None = None
+    kv_bits: tuple[int, ...] | None = None
+    prefill_chunk: int | None = None
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
         def need(ok, message):
             if not ok:
                 raise ValueError(message)
+        need(self.kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {self.kv!r})")
         need(self.recovery is None or 0 < self.recovery <= 1,
              f"--recovery must be in (0, 1] (got {self.recovery})")
-        for flag, r in (("--r-local", self.r_local), ("--r-frequent", self.r_frequent),
-                        ("--kv-budget", self.kv_budget)):
-            need(r is None or 0 < r <= 1, f"{flag} must be in (0, 1] (got {r})")
-        need(self.kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {self.kv!r})")
-        need(self.hh_score in ("mean", "sum"),
-             f"--hh-score must be mean or sum (got {self.hh_score!r})")
-        need(self.hh_rows in ("window", "every", "both"),
-             f"--hh-rows must be window, every or both (got {self.hh_rows!r})")
-        need(self.sink_mass in ("count", "drop"),
-             f"--sink-mass must be count or drop (got {self.sink_mass!r})")
-        scope_of(self.budget_scope)
-        need(self.objective in ("squared", "linear"),
-             f"--objective must be squared or linear (got {self.objective!r})")
-        need(self.span >= 1, f"--span must be 1 (each token its own score) or more "
-             f"(got {self.span})")
-        need(self.obs_window >= 0,
-             f"--obs-window must be 0 (every prompt row) or more (got {self.obs_window})")
-        need(self.evict_every is None or self.evict_every >= 1,
-             f"--evict-every must be 1 (every step) or more (got {self.evict_every})")
+        need(self.kv_budget is None or 0 < self.kv_budget <= 1,
+             f"--kv-budget must be in (0, 1] (got {self.kv_budget})")
         need(self.prefill_chunk is None or self.prefill_chunk >= 1,
              f"--prefill-chunk must be 1 token or more (got {self.prefill_chunk})")
         bits = self.kv_bits or ()
         need(all(b in BITS for b in bits) and len(set(bits)) == len(bits),
              f"--kv-bits takes distinct precisions among {', '.join(map(str, BITS))} "
              f"(got {','.join(map(str, bits))})")
-        need(len(bits) <= 1 or self.kv == "fastgen" and self.recovery is None and not self.paper,
-             "several --kv-bits make a menu of precisions, which only FastGen's budget mode "
-             "chooses from: give one precision, or --kv fastgen without --recovery and --paper")
-        two_modes = self.recovery is not None and self.kv_budget is not None
-        need(not (self.kv == "fastgen" and two_modes),
-             "--recovery (threshold mode) and --kv-budget (budget mode) choose two different "
-             "FastGens; give one of them")
-
-
-def scope_of(scope) -> str | int:
-    """--budget-scope as the cache takes it: "layer", "model" or a number of
-    layers; ValueError, naming the flag, for anything else."""
-    s = str(scope)
-    if s in ("layer", "model"):
-        return s
-    if s.isdigit() and int(s) >= 1:
-        return int(s)
-    raise ValueError(f"--budget-scope must be layer, model or a number of layers (got {s!r})")
+        need(len(bits) <= 1 or self.kv == "fastgen" and not self.paper,
+             "several --kv-bits make a menu of precisions, which only FastGen's default "
+             "chooses from: give one precision, or --kv fastgen without --paper")
+        need(self.kv == "fastgen" or not (self.paper or self.recovery is not None),
+             "--paper and --recovery choose the paper's FastGen: add --kv fastgen")
+        need(self.recovery is None or self.paper,
+             "--recovery is the paper's threshold: add --paper (the default FastGen takes "
+             "--kv-budget)")
+        need(not (self.paper and self.kv_budget is not None),
+             "--kv-budget is the default FastGen's; the paper's method takes --recovery")
 
 
 def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int],
                 max_new_tokens: int, token_flags=None, compiled: bool = False):
-    """One cache per layer: dense for `full`, compressed for the others.
-
-    fastgen: with `recovery` T, the paper's shortlist under that threshold;
-    otherwise the budget mode, the menu of policies under `kv_budget` (default
-    0.5), which measured best (README, Results). `paper` is the paper's literal
-    method (threshold T, default 0.95; heavy hitters by summed attention,
-    profiling over every prompt row, the sink's mass counted, attention not
-    weighed by values); otherwise `hh_score`, `obs_window` (0: every row),
-    `span`, `sink_mass` and `weigh_values` choose. The fixed
-    policies keep `kv_budget` (default 0.5) of the prompt. Compressed caches
-    evict every `evict_every` steps (default: half a page of the pool, at least
-    cache.EVICT_EVERY = 8 tokens; 1 with `paper`). With `compiled`, the decode
-    step will be compiled, and every layer's pool is laid out for it.
-
-    `kv_bits`: the precisions a compressed cache stores keys and values at
-    (quant.py); several make FastGen's menu every policy at every precision
-    (and Full at those below 16 bits), its budget a share of the bytes of a
-    full cache in 16 bits. `full` at 16 bits is the dense cache stored in 16
-    bits; at fewer, a compressed cache whose every head keeps everything.
-    """
+    """One cache per layer: dense for `full`, else compressed, running the method
+    the options name (cache.default_method, paper_method, fixed_method): `full`
+    in fewer than 16 bits is a compressed cache whose every head keeps all.
+    With `compiled`, the decode step will be compiled, and every layer's pool
+    is laid out for it."""
     a, w, o = model.args, model.tok_embeddings.weight, options
-    if o.kv == "full" and o.kv_bits and o.kv_bits != (16,):
-        return fastgen_caches(model, [Full()], prompt_lens, max_new_tokens, token_flags,
-                              bits=list(o.kv_bits), evict_every=o.evict_every,
-                              eager=not compiled)
-    if o.kv == "full":
+    budget = 0.5 if o.kv_budget is None else o.kv_budget
+    if o.kv == "full" and o.kv_bits in (None, (16,)):
         max_len = max(prompt_lens) + max_new_tokens
         dtype = storage_dtype(16, w.dtype) if o.kv_bits else w.dtype
         return [KVCache(len(prompt_lens), a.n_kv_heads, max_len, a.head_dim, dtype, w.device)
                 for _ in model.layers]
-    if o.paper:
-        o = replace(o, hh_score="sum", obs_window=0, sink_mass="count", span=1,
-                    weigh_values=False,
-                    evict_every=o.evict_every or 1)
-    evict = dict(evict_every=o.evict_every, eager=not compiled)
-    if o.prefill_chunk:  # read in pieces: profiled on the first, paged for the whole
-        evict.update(page=page_size(max(prompt_lens)))
-        prompt_lens = [min(n, o.prefill_chunk) for n in prompt_lens]
-    kw = dict(rows=o.obs_window or None, sink=o.sink_mass == "count", rechoose=o.rechoose,
-              span=o.span, weigh_values=o.weigh_values, hh_rows=o.hh_rows,
-              **evict)
-    if o.kv == "fastgen" and (o.paper or o.recovery is not None):
-        policies = shortlist(o.r_local, o.r_frequent, o.hh_score)
-        kw.update(threshold=0.95 if o.recovery is None else o.recovery)
+    if o.kv == "fastgen" and o.paper:
+        method = paper_method(0.95 if o.recovery is None else o.recovery, o.kv_bits)
     elif o.kv == "fastgen":
-        policies = menu(o.r_local, o.r_frequent, o.hh_score)
-        kw.update(budget=0.5 if o.kv_budget is None else o.kv_budget,
-                  scope=scope_of(o.budget_scope), objective=o.objective)
-        if o.kv_bits:  # every policy at every precision; Full too, where it saves bytes
-            items = [(p, b) for b in o.kv_bits for p in policies + [Full()] * (b < 16)]
-            policies, bits = map(list, zip(*items))
-            kw.update(bits=bits)
-        if tp.world() > 1:  # the budget is the whole model's: the ranks share their heads' tables
-            kw.update(heads=tp.Heads(len(prompt_lens)))
-    else:  # the fixed policies as their authors define them
-        policy = baseline(o.kv, 0.5 if o.kv_budget is None else o.kv_budget)
-        policies = [policy]
-        # The prompt rows profiled: SnapKV's window; every row for heavy hitters'
-        # sums; else the last (TOVA ranks by it; a window or sinks read none).
-        rows = policy.window if isinstance(policy, SnapKV) else (
-            None if policy.reads_scores else 1)
-        kw = dict(rows=rows, **evict)
-    if o.kv_bits and "bits" not in kw:  # one precision for every policy
-        kw.update(bits=list(o.kv_bits) * len(policies))
-    return fastgen_caches(model, policies, prompt_lens, max_new_tokens, token_flags, **kw)
+        method = default_method(budget, o.kv_bits)
+    else:
+        method = fixed_method(o.kv, budget, o.kv_bits)
+    # Tensor parallel: a budget spans every rank's heads, which share their tables.
+    heads = tp.Heads(len(prompt_lens)) if tp.world() > 1 and method.kv_budget else None
+    page = None
+    if o.prefill_chunk:  # read in pieces: profiled on the first, paged for the whole
+        page = page_size(max(prompt_lens))
+        prompt_lens = [min(n, o.prefill_chunk) for n in prompt_lens]
+    return fastgen_caches(model, method, prompt_lens, max_new_tokens, token_flags, page=page,
+                          eager=not compiled, heads=heads)
 
 
 def dense_kv_bytes(model: Transformer, batch: int, max_len: int, bits: int | None = None) -> int:
@@ -412,12 +348,12 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
                      dense_kv_bytes(model, B, T + max_new_tokens, 16 if cache.kv_bits else None),
                      full_kv_bits=16 if cache.kv_bits else None)
     gen.interrupted = interrupted
-    if not isinstance(caches[0], KVCache):  # a compressed cache (a full one in 8 bits too)
+    gen.plan = [c.plan_names() for c in caches]
+    if gen.plan[0]:  # a compressed cache (a full one in 8 bits too)
         K = model.args.n_kv_heads
         gen.kept_tokens = sum(c.kept() for c in caches)
         gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
         gen.profile_s = sum(c.profile_s for c in caches)
-        gen.plan = [c.plan_names() for c in caches]
         gen.recovery = [c.recovery.tolist() for c in caches if c.recovery is not None]
         gen.growths = sum(c.growths() for c in caches)
     model.setup_caches(None)

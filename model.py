@@ -177,7 +177,47 @@ def attend(q, k, v, visible):
 CHUNK_ROWS = 128
 
 
-class KVCache(nn.Module):
+class Cache(nn.Module):
+    """What attention and the decode loop ask of a layer's KV cache. `KVCache`
+    below keeps every token; `cache.FastGenCache` what each head's policy keeps."""
+
+    profile_s = 0.0  # prefill time spent choosing what to keep
+    recovery = None  # (segments, policies) what each policy recovers, where it chose
+
+    def forward(self, q, k, v, input_pos, tokens) -> torch.Tensor:
+        """Hold k, v (B, K, T, D) of `tokens` (B, T) at positions input_pos (B, T)
+        and return the attention of q (B, H, T, D) over all that is held: T
+        tokens of a prompt, of a chunk on top of what is held, or one."""
+        raise NotImplementedError
+
+    @staticmethod
+    def reserve(caches: list[Cache], tokens=1) -> None:
+        """Before each step after the prompt, outside compiled code, every layer's
+        cache at once: `tokens` per sequence, 1, a chunk's T or (B,) counts."""
+
+    def nbytes(self) -> int:
+        """Bytes the cache really holds."""
+        raise NotImplementedError
+
+    def kept(self) -> int:
+        """(sequence, KV head, token) triples held; 0 where they are not counted."""
+        return 0
+
+    def plan_names(self) -> list[str]:
+        """Each (sequence, KV head)'s policy; empty for a cache that keeps all."""
+        return []
+
+    def growths(self) -> int:
+        """Times the cache grew while decoding (each a new shape for compiled code)."""
+        return 0
+
+
+def reserve(caches: list[Cache], tokens=1) -> None:
+    """`Cache.reserve` of the model's caches, whatever their kind."""
+    type(caches[0]).reserve(caches, tokens)
+
+
+class KVCache(Cache):
     """The dense cache: every token of every KV head, V as (B, K, S, D) and K
     transposed, (B, K, D, S) (see `attend`).
 
@@ -227,10 +267,6 @@ class KVCache(nn.Module):
         y, _ = attend(q.view(B, K, -1, D), k, v, visible)  # (B, K, G, D)
         return y.view(q.shape)
 
-    def reserve(self):
-        """Called before each decode step, outside compiled code, so that a cache
-        that grows (cache.FastGenCache) can; this one was sized up front."""
-
     def grow(self, max_len: int):
         """Room for max_len positions, keeping what is held: a chat's cache grows with the
         conversation instead of being sized for the whole context, because a decode step
@@ -253,7 +289,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.kv_cache: nn.Module | None = None
+        self.kv_cache: Cache | None = None
 
     def forward(self, x, cos, sin, input_pos, tokens) -> torch.Tensor:
         B, T, _ = x.shape
@@ -304,12 +340,12 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(args), persistent=False)
 
-    def setup_caches(self, caches: list[nn.Module] | None):
+    def setup_caches(self, caches: list[Cache] | None):
         """Attach one cache module per layer (or detach all with None)."""
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = None if caches is None else caches[i]
 
-    def caches(self) -> list[nn.Module]:
+    def caches(self) -> list[Cache]:
         return [layer.attention.kv_cache for layer in self.layers]
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor,

@@ -175,14 +175,12 @@ class Policy:
     """Base class. Subclasses implement `keep`, the rule; those that rank tokens
     also `keep_all` and `rankings`, the fast path for several at once."""
 
-    # True when, once the prompt is compressed, `keep` keeps everything held and
-    # every new token: decoding then never needs to ask.
-    never_evicts = False
-    # True when `keep` reads `Slots.last`, which the cache then keeps up to date.
-    reads_last = False
-    # True when `keep` reads `Slots.score`, the attention summed over the prompt
-    # rows profiled; a cache of policies that do not profiles the last row alone.
-    reads_scores = False
+    # What a cache asks of a policy, so that it never asks for its class:
+    never_evicts = False  # keeps every new token: decoding never asks `keep`
+    keeps_all = False     # keeps everything, a chunk read included: never asked at all
+    reads_last = False    # `keep` reads `Slots.last`, which the cache then keeps up to date
+    rows = 1              # the last prompt rows its ranking reads (None: every row)
+    band = None           # a window of this share of the prompt: profiling sums its band
 
     def keep(self, s: Slots) -> torch.Tensor:
         """Bool (N, C): which of the held tokens this policy keeps. Written for
@@ -252,6 +250,10 @@ class Local(Policy):
     def __init__(self, r: float):
         self.r = r
 
+    @property
+    def band(self):
+        return self.r
+
     def window(self, s: Slots) -> torch.Tensor:
         return share(self.r, s.prompt_len)
 
@@ -274,7 +276,7 @@ class Frequent(Policy):
     that has seen the token, and the newest token always enters (ScissorHands,
     cold-compress's FastGen)."""
 
-    reads_scores = True
+    rows = None  # every prompt row's attention (the cache may read fewer: `Method.rows`)
 
     def __init__(self, r: float, by: str = "sum"):
         if by not in ("sum", "mean"):
@@ -335,7 +337,7 @@ class Sink(Policy):
 class Full(Policy):
     """Everything: the head is not compressed."""
 
-    never_evicts = True
+    never_evicts = keeps_all = True
 
     def keep(self, s):
         return s.valid
@@ -375,10 +377,13 @@ class SnapKV(Policy):
     The cache must score the prompt with the same observation window."""
 
     never_evicts = True  # the prompt is compressed once (see `keep`); new tokens stay
-    reads_scores = True
 
     def __init__(self, r: float, window: int = 32, kernel: int = 7):
         self.r, self.window, self.kernel = r, window, kernel
+
+    @property
+    def rows(self):
+        return self.window
 
     def keep(self, s):
         """Every valid token from the window on (the window and every new token),
@@ -445,8 +450,13 @@ class Union(Policy):
         return any(m.reads_last for m in self._members)
 
     @property
-    def reads_scores(self):
-        return any(m.reads_scores for m in self._members)
+    def keeps_all(self):
+        return any(m.keeps_all for m in self._members)
+
+    @property
+    def rows(self):
+        rows = [m.rows for m in self._members]
+        return None if None in rows else max(rows)
 
     def keep(self, s):
         kept = self._members[0].keep(s)
@@ -482,10 +492,8 @@ def menu(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "mean",
          ratios=RATIOS) -> list[Policy]:
     """What a head may take under a byte budget: the paper's shortlist and the
     fixed policies' shapes at several sizes, so that every fixed baseline is
-    one point of it. Not Full: it buys the last percent of a head's recovery
-    with all of its tokens, and the knapsack, which then summed recoveries,
-    took it for a fifth of the heads at B = 0.75 (KL 0.0089 with Full in the
-    menu, 0.0020 without, 10 news windows)."""
+    one point of it. Not Full, which buys a head's last percent of recovery
+    with all of its tokens (studies/README.md)."""
     kinds = ("local", "sink", "h2o", "tova", "snapkv")
     shapes = [[baseline(kind, r, by) for r in ratios] for kind in kinds]
     return list(dict.fromkeys(shortlist(r_local, r_frequent, by)[:-1] + sum(shapes, [])))

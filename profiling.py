@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from policies import Local, Policy, Slots, Union, ranks, shares
+from policies import Policy, Slots, Union, shares
 from quant import channel_factors, dequantize, quantize, rounds
 
 # Prompt rows that measure what a precision costs when profiling reads every row.
@@ -43,13 +43,6 @@ BAND_ROWS = 128
 # sequences (a model's layers stacked, as `cache.decide` profiles) would read
 # all the keys once per row, bound by memory traffic.
 MIN_ROWS = 64
-# Heavy hitters ranked by both the rows read and every row (`both_scores`):
-# the most of each prompt that every row's ranking brings (a tenth, chosen
-# on the documentation text at 80% kept; a fifth kept more KL there). The
-# larger of the two rankings per query, before, lost at 80% kept (README).
-BOTH_SHARE = 0.1
-
-
 @dataclass
 class Profile:
     """What profiling read of one layer's prompt attention, per segment (S of them)."""
@@ -57,17 +50,13 @@ class Profile:
     bands: dict[float, torch.Tensor]  # Local ratio -> (S, T) its band sum
     rows: torch.Tensor                # (S,) query rows read
     last: torch.Tensor                # (S, T) attention from the last prompt row alone
-    # (S, T) what heavy hitters rank by when not the rows read's: every prompt
-    # row's attention, or both (`FastGenCache(hh_rows=...)`); None: colsum, carried.
-    score: torch.Tensor | None = None
 
     @staticmethod
     def cat(parts: list["Profile"]) -> "Profile":
         """The Profiles of several batches of segments as one, in order."""
         cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
         return Profile(cat("colsum"), {r: torch.cat([p.bands[r] for p in parts])
-                                       for r in parts[0].bands}, cat("rows"), cat("last"),
-                       None if parts[0].score is None else cat("score"))
+                                       for r in parts[0].bands}, cat("rows"), cat("last"))
 
 
 def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
@@ -126,8 +115,8 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
 def flash_sums(q, k, v, lens) -> tuple[torch.Tensor, Profile] | None:
     """The prompt's causal attention (B, H, T, D), as the prefill's, and every
     row's `attention_sums(q, k, lens)` (colsum and last row), from two passes
-    of torch's CPU flash attention, which a dense pass over the probabilities
-    costs two to three times (README, "Far mentions"); None where that kernel
+    of torch's CPU flash attention, cheaper than a dense pass over the
+    probabilities (studies/README.md); None where that kernel
     is missing (another device, another torch). The first pass attends and
     gives each row i its log-sum-exp L_i; token j's column sum is then
     sum_{i >= j} exp(q_i.k_j / sqrt(D) - L_i), a log-sum-exp of the second
@@ -209,66 +198,26 @@ def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1,
                  span: int = 1) -> Slots:
     """The prompts as the slots policies rank, one row per segment of `layers`
     layers stacked, (layers * B * K, T): each token's position (-1 past its
-    prompt's end), its score (the attention the rows read gave it, carried
-    `span` tokens on: `carried`; or `sums.score`, every row's), its flags
-    from `flags` (B, T), and the first row its score counts."""
+    prompt's end), its score (the attention the rows read gave it, `carried`
+    `span` tokens on), its flags from `flags` (B, T), and the first row read."""
     T = flags.shape[1]
     per_seg = lambda t: t.repeat_interleave(n_kv_heads, dim=0).repeat(  # noqa: E731
         layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * B * K, ...)
     positions = torch.arange(T, device=lens.device)
-    every = sums.score is not None
-    first = per_seg(lens[:, None]) - sums.rows.long()[:, None]
     return Slots(pos=per_seg(torch.where(positions < lens[:, None], positions, -1)),
-                 score=sums.score if every else carried(sums.colsum, span), flags=per_seg(flags),
-                 seen=per_seg(lens[:, None]),
-                 prompt_len=per_seg(lens[:, None]),
-                 first_query=torch.zeros_like(first) if every else first, last=sums.last)
+                 score=carried(sums.colsum, span), flags=per_seg(flags),
+                 seen=per_seg(lens[:, None]), prompt_len=per_seg(lens[:, None]),
+                 first_query=per_seg(lens[:, None]) - sums.rows.long()[:, None], last=sums.last)
 
 
 def carried(colsum, span: int) -> torch.Tensor:
     """(S, T) each token's score: the most attention any of the `span` tokens
-    up to it (itself and the span - 1 before it) received. What decoding reads
-    next is often what follows what the prompt's last rows read: an answer
-    copies a number or a name token after token, each step attending to the
-    token after the last one copied, which the question itself barely looked
-    at. Ranked by their own scores, heavy hitters keep a needle's first digits
-    and drop the rest (README, "The span")."""
+    up to it (itself and the span - 1 before it) received. An answer copies a
+    number or a name token after token, each step attending to the token after
+    the last one copied, which the question itself barely looked at."""
     if span <= 1:
         return colsum
     return F.max_pool1d(F.pad(colsum[:, None], (span - 1, 0)), span, 1)[:, 0]
-
-
-def both_scores(sums: Profile, every, lens, span: int = 1,
-                most: float = BOTH_SHARE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Heavy hitters' scores and TOVA's prompt ranking, each (S, T), ranking by
-    both the rows read and every row; every (S, T) every row's sums, lens (S,)
-    each segment's prompt length. A question at the prompt's end points at its
-    needle, which the rows before it barely read; a continuation names again
-    what rows far back attended to and the last rows did not. The two
-    rankings take turns, the rows read's first (`sums.colsum`, carried `span`
-    on; for TOVA the last row), every row's (attention per query since the
-    token came) until it has brought the `most` share of the prompt: half of
-    a small keep comes from each, of 80% kept an eighth from every row's,
-    where the rows read's own order matters most. Each token takes the value
-    the rows read give the token at its rank, so that the scores keep their
-    scale (README, "`--hh-rows both`"). TOVA takes it too: else the knapsack,
-    which measures each shape on the rows read, finds TOVA's keep in-sample
-    where the others' no longer are, and picks it for most heads. The scores
-    are sums over the rows since each token came."""
-    pos = torch.arange(every.shape[1], device=every.device)
-    valid = pos < lens[:, None]
-    seen = (lens[:, None] - pos).clamp(min=1)  # the rows since the token came
-    read = (lens - sums.rows.long())[:, None]  # the first row read
-    window = carried(sums.colsum, span) / (lens[:, None] - torch.maximum(pos, read)).clamp(min=1)
-    turn = ranks(every / seen, valid)  # every row's rank, 0 the top
-    turn = torch.where(turn < shares([most], lens)[0][:, None], 2 * turn + 1, every.shape[1] * 2)
-
-    def taking_turns(x):
-        rank = ranks(-torch.minimum(2 * ranks(x, valid), turn).float(), valid)
-        return x.masked_fill(~valid, -math.inf).sort(-1, descending=True).values.gather(
-            1, rank).masked_fill(~valid, 0)
-
-    return taking_turns(window) * seen, taking_turns(sums.last)
 
 
 def weigh(sums: Profile, v) -> Profile:
@@ -281,7 +230,7 @@ def weigh(sums: Profile, v) -> Profile:
     w = w * sums.colsum.sum(1, keepdim=True) / (sums.colsum * w).sum(1, keepdim=True).clamp(
         min=1e-12)
     return Profile(sums.colsum * w, {r: b * w for r, b in sums.bands.items()}, sums.rows,
-                   sums.last * w, sums.score)
+                   sums.last * w)
 
 
 def held_profile(probs, held: Slots, rows, ratios) -> Profile:
@@ -341,45 +290,35 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None) ->
 
 
 def local_ratios(policies: list[Policy]) -> list[float]:
-    """Every Local ratio used by a list of policies."""
-    return sorted({m.r for p in policies for m in p.members() if isinstance(m, Local)})
+    """Every window's share (`Policy.band`) in a list of policies."""
+    return sorted({m.band for p in policies for m in p.members() if m.band is not None})
 
 
-def recovery(policy: Policy, prompt: Slots, prof: Profile, sink: bool = True) -> torch.Tensor:
+def recovery(policy: Policy, prompt: Slots, prof: Profile) -> torch.Tensor:
     """(S,) share of the attention read that `policy` recovers on S segments."""
-    return recoveries([policy], prompt, prof, sink)[:, 0]
+    return recoveries([policy], prompt, prof)[:, 0]
 
 
-def recoveries(policies: list[Policy], prompt: Slots, prof: Profile,
-               sink: bool = True) -> torch.Tensor:
+def recoveries(policies: list[Policy], prompt: Slots, prof: Profile) -> torch.Tensor:
     """(S, M): the share of the attention read that each policy recovers.
-
-    prompt: the segments' prompt tokens, one per column in position order.
-    With `sink=False` the first token's attention counts neither as recovered
-    nor as needed: the attention sink's mass carries no content, and a head
-    that puts most of its attention there would otherwise "recover" it while
-    dropping everything it reads. (Every shortlist policy keeps that token.)
-    """
+    prompt: the segments' prompt tokens, one per column in position order."""
     ratios = list(prof.bands)
-    fixed, band = [], []  # per policy: what it keeps whatever the row; its widest Local's band
+    fixed, band = [], []  # per policy: what it keeps whatever the row; its widest window's band
     nothing = torch.zeros_like(prompt.valid)
     for p in policies:
-        others = [m for m in p.members() if not isinstance(m, Local)]
+        others = [m for m in p.members() if m.band is None]
         fixed.append(prompt.keeps(Union(*others)) if others else nothing)
-        local = [m.r for m in p.members() if isinstance(m, Local)]
+        local = [m.band for m in p.members() if m.band is not None]
         band.append(2 + ratios.index(max(local)) if local else 1)
     # A kept token recovers all it received, another what its band received:
     # sum_j F colsum + sum_j (1 - F) band, with F (M, S, T) the fixed masks,
     # as one product of F with the column sums and every band, (S, M, 2 + R).
     sums = torch.stack([prof.colsum, torch.zeros_like(prof.colsum), *prof.bands.values()], 2)
     fixed = torch.stack(fixed, 1).float()  # (S, M, T)
-    if not sink:
-        sums, fixed = sums[:, 1:], fixed[..., 1:]
     product = fixed @ sums  # (S, M, 2 + R)
     got = product[..., 0] + sums.sum(1)[:, band] - product[:, range(len(policies)), band]
-    total = prof.rows if sink else prof.rows - prof.colsum[:, 0]
-    # A head that reads nothing but the sink loses nothing, whatever it keeps.
-    return torch.where((total > 1e-4 * prof.rows)[:, None], got / total[:, None], 1.0)
+    # A head that reads no row loses nothing, whatever it keeps.
+    return torch.where((prof.rows > 0)[:, None], got / prof.rows[:, None], 1.0)
 
 
 def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -406,13 +345,10 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
 
 
 def squared_losses(recoveries: torch.Tensor) -> torch.Tensor:
-    """What the budget's knapsack maximizes per head by default: minus the
-    square of the share it loses, -(1 - r)^2, rather than its recovery r. A
-    model's output error grows with the square of each head's (KL is
-    quadratic in a small change of the logits), so a sum of recoveries, which
-    prices ten heads losing 1% like one head losing 10%, concentrates the loss
-    where the prompt's last rows promise that little is lost, and a
-    promise missed there costs most (README, "The budget's objective")."""
+    """What the budget's knapsack maximizes per head: minus the square of the
+    share it loses, -(1 - r)^2. A model's output error grows with the square
+    of each head's (KL is quadratic in a small change of the logits), so ten
+    heads losing 1% cost less than one head losing 10% (studies/README.md)."""
     return -(1 - recoveries).clamp(min=0).square()
 
 

@@ -11,8 +11,7 @@ so every number is off by at most half its group's scale. Per token, so that
 a token is quantized once, as it enters the cache, and leaves alone: KIVI's
 keys per channel measured a quarter less output error at 4 bits, but tie 32
 tokens to one scale, which a head that evicts one token at a time cannot
-keep, and need a full-precision residue while a group fills (README, "How
-FastGen works": why per token).
+keep, and need a full-precision residue while a group fills (studies/README.md).
 
 Keys first have each channel divided by a factor of its head's, the square
 root of the channel's largest magnitude over the prompt (`channel_factors`):
@@ -31,7 +30,7 @@ import torch
 
 # Numbers per scale: per token, a group of 32 measured as faithful as 16 at 4
 # bits on this model's keys and better than 64, for an eighth of the codes'
-# bytes at 4 bits (README, "Precision").
+# bytes at 4 bits (studies/README.md).
 GROUP = 32
 BITS = (16, 8, 4, 2)
 

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 import generation as gen_
-from model import KVCache, attend
+from model import KVCache, attend, reserve
 from policies import Slots, shortlist, token_flags
 from pool import attends_masked, group_pages, page_size
-from profiling import choose
+from profiling import attention_sums, choose, local_ratios
 
 THRESHOLDS = (0.85, 0.90, 0.93, 0.95, 0.98)
 
@@ -155,6 +155,19 @@ VARIANTS = {"all rows, sink counted (paper)": (None, True), "all rows, sink drop
             "last 32 rows, sink counted": (32, True), "last 32 rows, sink dropped": (32, False)}
 
 
+def variant_recoveries(cache, q, k, tokens, rows, sink: bool) -> torch.Tensor:
+    """(S, P) each shortlist policy's recovery of the prompt's attention, read on
+    its last `rows` rows (None: all), with the first token's mass counted or,
+    without `sink`, left out of what is recovered and of what is read (every
+    shortlist policy keeps that token)."""
+    sums = attention_sums(q, k, cache.prompt_lens, local_ratios(cache.policies), rows)
+    _, r = cache.from_sums(sums, tokens)
+    if sink:
+        return r
+    first, read = sums.colsum[:, :1], sums.rows[:, None]
+    return torch.where(read - first > 1e-4 * read, (r * read - first) / (read - first), 1.0)
+
+
 class Variants(torch.nn.Module):
     """A FastGen layer cache that also profiles its prompt in every variant."""
 
@@ -164,12 +177,9 @@ class Variants(torch.nn.Module):
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.cache.pool is None:  # the prompt: profile it in every variant
-            self.recovery = torch.stack([self.cache.profile(q, k, tokens, rows, sink)[1]
+            self.recovery = torch.stack([variant_recoveries(self.cache, q, k, tokens, rows, sink)
                                          for rows, sink in VARIANTS.values()])  # (V, S, P)
         return self.cache(q, k, v, input_pos, tokens)
-
-    def reserve(self):
-        self.cache.reserve()
 
 
 @torch.no_grad()
@@ -194,8 +204,7 @@ def decode_check(model, prompt, flags, threshold, steps):
         model.setup_caches(dense)
         gen_.decode_one_token(model, cur, pos)  # teacher-forced on FastGen's tokens
         model.setup_caches(fast)
-        for c in fast:
-            c.reserve()
+        reserve([c.cache for c in fast])
         cur = gen_.decode_one_token(model, cur, pos)
         if s in steps:
             got = torch.stack([(c.probs[0, :, :T + s] * h).sum(-1) for c, h in zip(dense, holds)])

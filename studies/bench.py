@@ -211,14 +211,11 @@ def peak_memory(device):
 
 
 def cache_options(spec: str) -> CacheOptions:
-    """--kv's KIND[@B[/B...]][:BUDGET][+HH_ROWS], e.g. full@16, fastgen@16/8/4:0.25
-    or fastgen:0.25+every (--hh-rows every)."""
-    spec, _, hh_rows = spec.partition("+")
+    """--kv's KIND[@B[/B...]][:BUDGET], e.g. full@16 or fastgen@16/8/4:0.25."""
     spec, _, budget = spec.partition(":")
     kind, _, bits = spec.partition("@")
     return CacheOptions(kind, kv_budget=float(budget) if budget else None,
-                        kv_bits=tuple(int(b) for b in bits.split("/")) if bits else None,
-                        hh_rows=hh_rows or "window")
+                        kv_bits=tuple(int(b) for b in bits.split("/")) if bits else None)
 
 
 def time_ours(model, prompts, new_tokens, cache: CacheOptions, compile, flags,
@@ -339,8 +336,8 @@ def kv_error(specs) -> str | None:
         try:
             cache_options(spec).check()
         except ValueError as e:
-            return (f"--kv {spec}: {e}; write KIND[@B[/B...]][:BUDGET][+HH_ROWS], e.g. "
-                    "fastgen@16/8/4:0.25 or fastgen:0.25+every")
+            return (f"--kv {spec}: {e}; write KIND[@B[/B...]][:BUDGET], e.g. "
+                    "fastgen@16/8/4:0.25")
     return None
 
 
@@ -475,10 +472,10 @@ def parse_args(argv=None):
                    help="batch sizes; list or repeat them (default 1 8)")
     p.add_argument("--runs", type=int, default=3, help="runs per row (default 3)")
     p.add_argument("--kv", nargs="+", default=["full", "fastgen"],
-                   metavar="KIND[@B][:BUDGET][+HH_ROWS]",
+                   metavar="KIND[@B][:BUDGET]",
                    help="our caches to time: a --kv kind, with its --kv-bits after @ (slashes "
                    "between several), its --kv-budget after a colon and its --hh-rows after a "
-                   "plus, e.g. full@16 fastgen@16/8/4:0.25 fastgen:0.25+every (default: full "
+                   "plus, e.g. full@16 fastgen@16/8/4:0.25 (default: full "
                    "fastgen)")
     p.add_argument("--stat", choices=["median", "best"], default="median",
                    help="report the median or the fastest of the runs; best suits a machine "

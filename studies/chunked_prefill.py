@@ -12,8 +12,7 @@ cache (KL to the full cache's next-token distribution and top-1 agreement,
 averaged over the new tokens), and `--passkeys` pass-key prompts of about that
 length (evaluate.py's, greedy answer). Caches: the full cache; FastGen's budget
 mode at each of `--budgets`, the prompt read in one call and in chunks of
-`--chunk` tokens, the plan chosen on the first chunk and kept
-(`--no-rechoose`) or chosen again at every chunk (the default); and `sink`
+`--chunk` tokens (each chunk choosing every head's policy again); and `sink`
 read in the same chunks at the share of the bytes that chunked FastGen
 allocated on the first window (so that the two compare at about equal
 bytes; each row reports its own share). Every method reads the
@@ -62,10 +61,7 @@ def configs(budgets, chunk) -> dict[str, CacheOptions]:
     rows = {"full": CacheOptions("full")}
     for b in budgets:
         rows[f"fastgen {b:g}, one call"] = CacheOptions("fastgen", kv_budget=b)
-        rows[f"fastgen {b:g}, chunks"] = CacheOptions("fastgen", kv_budget=b, prefill_chunk=chunk,
-                                                      rechoose=False)
-        rows[f"fastgen {b:g}, chunks, chosen again"] = CacheOptions(
-            "fastgen", kv_budget=b, prefill_chunk=chunk, rechoose=True)
+        rows[f"fastgen {b:g}, chunks"] = CacheOptions("fastgen", kv_budget=b, prefill_chunk=chunk)
         rows[sink_of(rows, b)] = CacheOptions("sink", kv_budget=b, prefill_chunk=chunk)
     return rows
 
@@ -98,8 +94,7 @@ def at_length(model, tok, length, a, flags) -> list[dict]:
             r = rows[name]
             if ref is None:
                 ref, full = logp, nbytes
-            chunked = options.prefill_chunk and not options.rechoose
-            if w == 0 and options.kv == "fastgen" and chunked:
+            if w == 0 and options.kv == "fastgen" and options.prefill_chunk:
                 cfgs[sink_of(cfgs, options.kv_budget)] = CacheOptions(
                     "sink", kv_budget=round(nbytes / full, 3), prefill_chunk=a.chunk)
             r["kl"] += F.kl_div(logp, ref, log_target=True, reduction="none").sum(-1).mean().item()

@@ -4,12 +4,12 @@
     python -m studies.evaluate --quick --ckpt TINY_CHECKPOINT    # a smoke test, seconds
     python -m studies.evaluate --peer kvpress   # also NVIDIA kvpress, run in its own venv:
         python -m venv /tmp/kvp && /tmp/kvp/bin/pip install torch==2.13.0 kvpress==0.5.5 optimum-quanto==0.2.7
-    python -m studies.evaluate --passkey-chat --windows 2 --thresholds --budgets \
+    python -m studies.evaluate --passkey-chat --windows 2 --paper-thresholds --budgets \
         --out results/evaluate/passkey_chat   # the full cache on the ChatML form of the passkeys
 
-Two tasks, each run through every configuration (the full cache; FastGen at
-several recovery thresholds T; `local`, `sink` (StreamingLLM) and `h2o` at
-several budgets):
+Two tasks, each run through every configuration (the full cache; the paper's
+FastGen at several recovery thresholds T; the default FastGen and the fixed
+policies at several budgets):
 
 1. Real text (`textdata`): windows of `--prompt-len` tokens followed by the
    next `--new-tokens` tokens of the same text, teacher-forced through the
@@ -52,7 +52,7 @@ import cache as fastgen_cache
 import model as model_module
 from cache import profile_layers
 from generation import CacheOptions, make_caches
-from model import causal_attention
+from model import causal_attention, reserve
 from studies.textdata import SOURCES
 
 BASELINES = ("local", "sink", "h2o", "tova", "snapkv")
@@ -68,33 +68,20 @@ class Config:
     options: dict
 
 
-def configs(thresholds, budgets, paper_thresholds=(), ablation=False, kinds=None,
-            span=None, precision=False) -> list[Config]:
-    """The full cache; FastGen as the paper states it (threshold T), with the new
-    defaults in threshold and budget modes (`span`: their span, None the
-    default); the fixed policies at each budget; with `ablation`, the budget
-    mode at the middle budget with one choice changed; with `precision`, the
-    budget mode choosing among 16, 8 and 4 bits and at 16 bits alone, the full
+def configs(budgets, paper_thresholds=(), kinds=None, precision=False) -> list[Config]:
+    """The full cache; FastGen as the paper states it (threshold T) and the
+    default (a budget); the fixed policies at each budget; with `precision`,
+    the default choosing among 16, 8 and 4 bits and at 16 bits alone, the full
     cache at 8, 4 and 2 bits, and h2o and SnapKV at 16, 8 and 4 bits (a
     family per precision: `h2o@4`)."""
-    new = {} if span is None else {"span": span}
     out = [Config("full", "full", {})]
     out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
             for t in paper_thresholds]
-    out += [Config(f"fastgen T={t:g}", "fastgen", {"recovery": t, **new}) for t in thresholds]
-    out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b, **new})
-            for b in budgets]
-    if ablation:
-        undo = {"sum": {"hh_score": "sum"}, "all-rows": {"obs_window": 0},
-                "sink-dropped": {"sink_mass": "drop"}, "every-step": {"evict_every": 1},
-                "no-span": {"span": 1}}
-        b = sorted(budgets)[len(budgets) // 2]  # the middle budget
-        out += [Config(f"fastgen-budget[{name}] b={b:g}", "fastgen", {"kv_budget": b, **o})
-                for name, o in undo.items()]
+    out += [Config(f"fastgen-budget b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
     out += [Config(f"{kind} b={b:g}", kind, {"kv_budget": b}) for kind in BASELINES for b in budgets]
     if precision:
         out += [Config(f"fastgen-budget@{'/'.join(map(str, bits))} b={b:g}", "fastgen",
-                       {"kv_budget": b, "kv_bits": bits, **new})
+                       {"kv_budget": b, "kv_bits": bits})
                 for bits in ((16, 8, 4), (16,)) for b in budgets]
         out += [Config(f"full@{q}", "full", {"kv_bits": (q,)}) for q in (8, 4, 2)]
         out += [Config(f"{kind}@{q} b={b:g}", kind, {"kv_budget": b, "kv_bits": (q,)})
@@ -146,8 +133,7 @@ def from_record(recorders):
     computed instead of computing it again for every configuration: the
     attention output (which the build discards) and profiling's column sums,
     which depend only on the prompt, the rows read, the Local windows and
-    whether values weigh them and every row ranks, and every row's sums, for
-    heavy hitters that rank by them, once per layer
+    whether values weigh them, and every row's sums, once per layer
     (tests/test_evaluate.py compares the logits with `generation.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
@@ -155,8 +141,8 @@ def from_record(recorders):
         layers = tuple(id(c.held[1]) for c in caches)  # the recorded keys, held as given
         memo = by_key[layers[0]].sums
         c = caches[0]
-        key = (layers, tuple(fastgen_cache.banded(c.policies)), c.rows, c.weigh_values,
-               c.hh_rows)
+        key = (layers, tuple(fastgen_cache.banded(c.policies)), c.method.rows,
+               c.method.weigh_values)
         if key not in memo:
             memo[key] = profile_layers(caches)
         return memo[key]
@@ -179,13 +165,12 @@ def from_record(recorders):
 
 
 @torch.no_grad()
-def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=0.3,
-           r_frequent=0.3):
+def replay(model, rec, config: Config, n: int, follow=None, flags=None):
     """Build `config`'s caches from a recorded prefill and decode n tokens:
     teacher-forced on `follow` (B, n) or greedy. Returns logits (B, n, V) and
     the bytes the caches allocated and the share of seen tokens they hold."""
     recorders, tokens, input_pos, lens, last = rec
-    options = CacheOptions(config.kv, r_local=r_local, r_frequent=r_frequent, **config.options)
+    options = CacheOptions(config.kv, **config.options)
     caches = make_caches(model, options, lens.tolist(), n, flags)
     with from_record(recorders):
         for c, r in zip(caches, recorders):
@@ -193,7 +178,7 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None, r_local=
     model.setup_caches(caches)
     out, pos = [last], lens[:, None]
     for i in range(n - 1):
-        fastgen_cache.reserve(caches)
+        reserve(caches)
         token = follow[:, i:i + 1] if follow is not None else out[-1].argmax(-1, keepdim=True)
         out.append(model(token, pos + i)[:, 0])
     nbytes = sum(c.nbytes() for c in caches)
@@ -213,7 +198,7 @@ def batches(items, most):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent,
+def text_quality(model, windows, n_new, cfgs, flags, batch,
                  reference=1.0) -> dict:
     """Per config: KL, top-1 agreement, perplexity and bytes share over the
     windows; the share against the full cache's bytes times `reference`."""
@@ -224,7 +209,7 @@ def text_quality(model, windows, n_new, cfgs, flags, batch, r_local, r_frequent,
         rec = record(model, [w[:-n_new] for w in chunk])
         ref = None
         for c in tqdm(cfgs, desc="configurations", leave=False):
-            logits, nbytes, kept = replay(model, rec, c, n_new, follow, flags, r_local, r_frequent)
+            logits, nbytes, kept = replay(model, rec, c, n_new, follow, flags)
             logp = logits.log_softmax(-1)
             if ref is None:  # the full cache comes first: the reference
                 ref, full_bytes = logp, nbytes * reference
@@ -269,14 +254,14 @@ def answer_ok(tok, ids, key) -> bool:
     return digits is not None and digits.group() == key
 
 
-def passkey(model, tok, cases, n_new, cfgs, flags, batch, r_local, r_frequent,
+def passkey(model, tok, cases, n_new, cfgs, flags, batch,
             reference=1.0) -> dict:
     """Per config: accuracy, bytes share and each case's answer."""
     res = {c.name: dict(correct=[], answers=[], bytes=0, full_bytes=0) for c in cfgs}
     for chunk in tqdm(batches(cases, batch), desc="passkey batches", leave=False):
         rec = record(model, [ids for ids, _ in chunk])
         for c in tqdm(cfgs, desc="configurations", leave=False):
-            logits, nbytes, _ = replay(model, rec, c, n_new, None, flags, r_local, r_frequent)
+            logits, nbytes, _ = replay(model, rec, c, n_new, None, flags)
             r = res[c.name]
             full_bytes = nbytes * reference if c.name == "full" else full_bytes
             for (_, key), ids in zip(chunk, logits.argmax(-1).tolist()):
@@ -499,12 +484,10 @@ def machine() -> str:
 def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quick: bool = False,
          windows: int = 30, prompt_len: int = 768, new_tokens: int = 64, passkeys: int = 40,
          filler: int = 40, passkey_tokens: int = 8, passkey_chat: bool = False,
-         thresholds=(0.9,), budgets=(0.25, 0.5, 0.75), paper_thresholds=(0.7, 0.9, 0.98),
-         ablation: bool = False, text: str = "pydoc", batch: int = 30, r_local: float = 0.3,
-         r_frequent: float = 0.3, seed: int = 0, peer: str | None = None,
+         budgets=(0.25, 0.5, 0.75), paper_thresholds=(0.7, 0.9, 0.98),
+         text: str = "pydoc", batch: int = 30, seed: int = 0, peer: str | None = None,
          peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
-         kinds=None, add_rows: str | None = None, span: int | None = None,
-         precision: bool = False,
+         kinds=None, add_rows: str | None = None, precision: bool = False,
          threads: int | None = None, command: str | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics)."""
@@ -516,7 +499,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     from tokenizer import Tokenizer
     if quick:
         windows, prompt_len, new_tokens, passkeys, filler, passkey_tokens = 4, 40, 8, 4, 0, 4
-        thresholds, budgets, paper_thresholds, batch = (0.9, 1.0), (0.3, 0.6), (0.9,), 4
+        budgets, paper_thresholds, batch = (0.3, 0.6), (0.9, 1.0), 4
     if ckpt is None:
         from convert_gguf import default_checkpoint
         ckpt = default_checkpoint()
@@ -534,11 +517,10 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     if max(prompt_len + new_tokens, longest) > model.args.max_seq_len:
         raise ValueError(f"{max(prompt_len + new_tokens, longest)} tokens exceed the model's "
                          f"context of {model.args.max_seq_len}")
-    cfgs = configs(thresholds, budgets, paper_thresholds, ablation, kinds, span, precision)
+    cfgs = configs(budgets, paper_thresholds, kinds, precision)
     # With precisions, shares are of a full cache in 16 bits, whatever the model computes in.
     reference = 16 / (8 * model.tok_embeddings.weight.element_size()) if precision else 1.0
-    run = dict(flags=flags, batch=batch, r_local=r_local, r_frequent=r_frequent,
-               reference=reference)
+    run = dict(flags=flags, batch=batch, reference=reference)
     rows = text_quality(model, texts, new_tokens, cfgs, **run)
     for name, r in (passkey(model, tok, cases, passkey_tokens, cfgs, **run) if cases else {}).items():
         rows[name].update(pk_acc=r["acc"], pk_share=r["share"], pk_answers=r["answers"])
@@ -566,8 +548,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
                 model=Path(ckpt).name, windows=windows, prompt_len=prompt_len,
                 new_tokens=new_tokens, seed=seed, passkeys=passkeys,
                 passkey_len=max([len(c[0]) for c in cases], default=0), passkey_tokens=passkey_tokens,
-                passkey_format="ChatML" if passkey_chat else "plain", r_local=r_local,
-                r_frequent=r_frequent, runtime_s=ours_s, peer_runtime_s=time.perf_counter() - t0 - ours_s,
+                passkey_format="ChatML" if passkey_chat else "plain", runtime_s=ours_s, peer_runtime_s=time.perf_counter() - t0 - ours_s,
                 peer=peer or peer_rows, peer_info=got.get("info") if peer or peer_rows else None,
                 text=text, added_rows=add_rows, reference_bits=16 if precision else None)
     out = Path(out)
@@ -613,13 +594,8 @@ def parse_args(argv=None):
                    "Python's documentation (pydoc), news prose (news) or Usenet discussion "
                    "(usenet); news and usenet are gensim's test data: pip install --no-deps "
                    "gensim==4.4.0 (default pydoc)")
-    p.add_argument("--thresholds", type=float, nargs="*", default=[0.9],
-                   help="FastGen recovery thresholds T with the new defaults (none: no rows)")
     p.add_argument("--paper-thresholds", type=float, nargs="*", default=[0.7, 0.9, 0.98],
                    help="thresholds T of the paper's literal FastGen (none: no rows)")
-    p.add_argument("--ablation", action="store_true", help="also FastGen's budget mode with "
-                   "each change undone in turn (sum scores, all rows, sink dropped, eviction "
-                   "after every token)")
     p.add_argument("--peer-rows", help="add the kvpress rows of an earlier run's OUT.json "
                    "(same windows and cases), labelled with its date")
     p.add_argument("--kinds", nargs="+", help="run only these families (e.g. fastgen-budget "
@@ -630,14 +606,10 @@ def parse_args(argv=None):
                    help="FastGen budgets and fixed policies' budgets: share of the prompt kept per head (none: "
                         "no fixed-policy rows)")
     p.add_argument("--batch", type=int, default=30, help="most windows / cases per batch (30)")
-    p.add_argument("--span", type=int, help="span of the FastGen rows but the paper's "
-                   "(generate.py --span; default: its default)")
     p.add_argument("--precision", action="store_true", help="also the rows of keys and values "
                    "in fewer bits (FastGen's budget mode choosing among 16, 8 and 4 bits, and at "
                    "16 alone; the full cache at 8, 4 and 2 bits; h2o and SnapKV at 16, 8 and 4), "
                    "and every share against a full cache stored in 16 bits")
-    p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
-    p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", choices=["kvpress"], help="also run NVIDIA kvpress presses at "
                    "compression ratio 1 - budget on the same windows and cases")
@@ -649,8 +621,6 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
-    if a.span is not None and a.span < 1:
-        p.error(f"--span must be 1 (each token its own score) or more (got {a.span})")
     return a
 
 

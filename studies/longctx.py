@@ -41,17 +41,14 @@ record. Every method is one configuration replayed from it.
 Then the teacher-forced KL and top-1 agreement against the full cache on
 windows of real text at `--kl-lengths` (evaluate's `text_quality`).
 
-Methods at equal budgets: FastGen's budget mode (`fastgen`; `fastgen-every`
-with heavy hitters ranked by every prompt row, `--hh-rows every`, and
-`fastgen-both` by both, `--hh-rows both`), FastGen's
-threshold mode and the paper's method at recovery `--thresholds` (their
-share as it comes), `local`, `sink`, `h2o`, `tova`, `snapkv`, and the full
-cache. The x-axis is the KV bytes the caches really allocated over a full
-cache's for the same work. A task on which the full cache scores below 0.3
-(at that length and reading) is shown but left out of the average. By
-default run full, fastgen, fastgen-threshold and snapkv (see `DEFAULTS`):
-the cache profiles every prompt row for `h2o` and the paper's method, and
-each more method's replays cost as much as these four's.
+Methods at equal budgets: the default FastGen (`fastgen`), the paper's
+method at recovery `--thresholds` (its share as it comes), `local`, `sink`,
+`h2o`, `tova`, `snapkv`, and the full cache. The x-axis is the KV bytes the
+caches really allocated over a full cache's for the same work. A task on
+which the full cache scores below 0.3 (at that length and reading) is shown
+but left out of the average. By default run full, fastgen and snapkv (see
+`DEFAULTS`): the cache profiles every prompt row for `h2o` and the paper's
+method, and each more method's replays cost as much as these three's.
 
 Writes OUT.json, OUT.md (per length and reading, methods against tasks) and
 OUT.png (average score against KV share, one panel per length and reading).
@@ -71,15 +68,14 @@ import torch
 from tqdm import tqdm
 
 from cache import reserve
-from generation import CacheOptions, dense_kv_bytes, make_caches, scope_of
+from generation import CacheOptions, dense_kv_bytes, make_caches
 from studies import evaluate
 from studies.evaluate import Config
 from studies.textdata import SOURCES, documents, prompts
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 READINGS = ("question_last", "agnostic")
-METHODS = ("full", "fastgen", "fastgen-every", "fastgen-both", "fastgen-threshold",
-           "fastgen-paper", "local", "sink", "h2o", "tova", "snapkv")
+METHODS = ("full", "fastgen", "fastgen-paper", "local", "sink", "h2o", "tova", "snapkv")
 FIXED = ("local", "sink", "h2o", "tova", "snapkv")
 FLOOR = 0.3  # a task the full cache scores below this is left out of the averages
 
@@ -275,30 +271,16 @@ def answer_text(tok, ids: list[int]) -> str:
 
 # --- Methods, replayed from one prefill --------------------------------------------
 
-def method_configs(methods, budgets, thresholds, span=None, scopes=None) -> list[Config]:
+def method_configs(methods, budgets, thresholds) -> list[Config]:
     """The full cache first (the reference), then each method at each budget
-    (FastGen's threshold and paper modes at each threshold instead); `span`:
-    FastGen's but the paper's (None: the default); `scopes`: FastGen's budget
-    mode at each of these --budget-scope values (None: the default's)."""
+    (the paper's FastGen at each threshold instead)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {', '.join(unknown)}; methods: {', '.join(METHODS)}")
-    new = {} if span is None else {"span": span}
     out = [Config("full", "full", {})]
     for m in methods:
         if m == "fastgen":
-            for scope in scopes or [None]:
-                name, opts = "fastgen", dict(new)
-                if scope is not None:
-                    name, opts["budget_scope"] = f"fastgen/{scope}", scope
-                out += [Config(f"{name} b={b:g}", "fastgen", {"kv_budget": b, **opts})
-                        for b in budgets]
-        elif m in ("fastgen-every", "fastgen-both"):  # heavy hitters by --hh-rows every|both
-            out += [Config(f"{m} b={b:g}", "fastgen",
-                           {"kv_budget": b, "hh_rows": m.split("-")[1], **new}) for b in budgets]
-        elif m == "fastgen-threshold":
-            out += [Config(f"fastgen-threshold T={t:g}", "fastgen", {"recovery": t, **new})
-                    for t in thresholds]
+            out += [Config(f"fastgen b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
         elif m == "fastgen-paper":
             out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
                     for t in thresholds]
@@ -322,8 +304,7 @@ def context_record(rec, context_lens):
 
 
 @torch.no_grad()
-def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: int, flags=None,
-                    r_local=0.3, r_frequent=0.3):
+def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: int, flags=None):
     """Build `config`'s caches from the contexts' record, feed each question
     token by token on top of them, then decode n greedy tokens. Returns the
     answers' token ids (B, n) and the bytes the caches allocated and a full
@@ -331,7 +312,7 @@ def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: i
     recorders, tokens, input_pos, lens, _ = rec
     B, Q = len(questions), max(map(len, questions))
     steps = Q + n - 1  # every question token, then n - 1 answer tokens fed back
-    options = CacheOptions(config.kv, r_local=r_local, r_frequent=r_frequent, **config.options)
+    options = CacheOptions(config.kv, **config.options)
     caches = make_caches(model, options, lens.tolist(), steps + 1, flags)
     with evaluate.from_record(recorders):
         for c, r in zip(caches, recorders):
@@ -361,7 +342,7 @@ def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: i
 
 
 def run_cases(model, tok, cases: list[Case], cfgs: list[Config], readings, flags, batch: int,
-              r_local: float, r_frequent: float, desc: str = "") -> dict:
+              desc: str = "") -> dict:
     """Per reading, per configuration: each case's score and answer, and bytes.
 
     A decode step costs about the same for one sequence as for several (it
@@ -382,14 +363,12 @@ def run_cases(model, tok, cases: list[Case], cfgs: list[Config], readings, flags
             for rd in readings:
                 if rd == "question_last" or (cfg.kv == "full" and "question_last" in readings):
                     if rd == "question_last":
-                        logits, nbytes, _ = evaluate.replay(model, rec, cfg, n, None, flags,
-                                                            r_local, r_frequent)
+                        logits, nbytes, _ = evaluate.replay(model, rec, cfg, n, None, flags)
                         ids = logits.argmax(-1)
                         full = dense_kv_bytes(model, len(chunk), int(rec[3].max()) + n)
                 else:
                     ids, nbytes, full = replay_agnostic(model, ctx, cfg,
-                                                        [c.question for c in chunk], n, flags,
-                                                        r_local, r_frequent)
+                                                        [c.question for c in chunk], n, flags)
                 r = res[rd][cfg.name]
                 for i, case, answer in zip(idx, chunk, ids.tolist()):
                     r["answers"][i] = answer_text(tok, answer[:case.n_new])
@@ -582,7 +561,7 @@ def plot(results: dict, path: Path) -> str | None:
 # sink and tova the last alone, but their 18 replays a prompt would double
 # the run. The defaults take about 3 hours on one busy core (studies/README.md).
 DEFAULTS = dict(lengths=(2048, 4096), cases=20, budgets=(0.125, 0.25, 0.5),
-                methods=("full", "fastgen", "fastgen-threshold", "snapkv"),
+                methods=("full", "fastgen", "snapkv"),
                 kl_lengths=(4096, 8192), kl_windows=10, kl_tokens=64)
 QUICK = dict(lengths=(512,), cases=1, budgets=(0.25,), methods=("full", "fastgen"),
              kl_lengths=(512,), kl_windows=1, kl_tokens=16)
@@ -591,9 +570,8 @@ QUICK = dict(lengths=(512,), cases=1, budgets=(0.25,), methods=("full", "fastgen
 def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick: bool = False,
          lengths=None, cases=None, tasks=TASKS, readings=READINGS, budgets=None, methods=None,
          thresholds=(0.9,), kl_lengths=None, kl_windows=None, kl_tokens=None,
-         text: str = "pydoc", chat: bool = False, batch_tokens: int = 32768, r_local: float = 0.3,
-         r_frequent: float = 0.3, seed: int = 0, threads: int | None = None,
-         span: int | None = None, scopes=None, peer: str | None = None,
+         text: str = "pydoc", chat: bool = False, batch_tokens: int = 32768, seed: int = 0,
+         threads: int | None = None, peer: str | None = None,
          peer_python: str = "/tmp/kvp/bin/python", peer_presses=PEER_PRESSES,
          command: str | None = None) -> dict:
     """Run the tasks and the text quality; write OUT.json, OUT.md and OUT.png and
@@ -615,7 +593,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
     model, tok = load(ckpt)
     flags = flags_of(model, tok)
     hay = Haystack(tok, text)
-    cfgs = method_configs(methods, budgets, thresholds, span, scopes)
+    cfgs = method_configs(methods, budgets, thresholds)
     context = model.args.max_seq_len
     longest_answer = max(NEW_TOKENS[t] for t in tasks)
     notes, results, raw, parts, kl, peer_info = [], {}, {}, {}, {}, {}
@@ -635,7 +613,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
         # Every task's cases in one list: a batch may mix tasks (their answers'
         # lengths differ; each is cut to its own).
         todo = [c for task in tasks for c in make_cases(tok, hay, task, L, cases, seed, chat)]
-        res = run_cases(model, tok, todo, cfgs, readings, flags, batch, r_local, r_frequent,
+        res = run_cases(model, tok, todo, cfgs, readings, flags, batch,
                         desc=f"batches @{L}")
         if peer == "kvpress":
             if ckpt is None:
@@ -659,7 +637,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
                          f"context of {context}: {L} + {kl_tokens}")
         windows = prompts(tok, kl_windows, L + kl_tokens, L + kl_tokens, seed, text)
         kl[str(L)] = evaluate.text_quality(model, windows, kl_tokens, cfgs, flags,
-                                           max(1, batch_tokens // L), r_local, r_frequent)
+                                           max(1, batch_tokens // L))
         parts[f"text @{L}"] = time.perf_counter() - t
         save(out, results, kl, raw, tok, hay, dict(partial_meta, runtime_s=time.perf_counter() - t0,
                                                    runtime_by_part_s=parts), chat)
@@ -667,8 +645,7 @@ def main(*, ckpt: str | None = None, out: str = "results/longctx/longctx", quick
         command=command or "python -m studies.longctx" + (" --quick" if quick else ""),
         model=Path(ckpt).name if ckpt else "SmolLM2-135M-Instruct", text=text,
         format="ChatML" if chat else "plain", cases=cases, seed=seed, tasks=list(tasks),
-        budgets=list(budgets), thresholds=list(thresholds), r_local=r_local,
-        r_frequent=r_frequent, span=span, scopes=scopes, kl_windows=kl_windows,
+        budgets=list(budgets), thresholds=list(thresholds), kl_windows=kl_windows,
         kl_tokens=kl_tokens, runtime_s=time.perf_counter() - t0, runtime_by_part_s=parts,
         notes=notes,
         peer_info=peer_info, complete=True), chat)
@@ -748,15 +725,12 @@ def parse_args(argv=None):
                    help="KV budgets of fastgen and the fixed policies, the share of the prompt "
                         "kept (default 0.125 0.25 0.5)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
-                   help=f"methods, of {' '.join(METHODS)} (default full fastgen fastgen-threshold "
-                        "snapkv; fastgen-every, fastgen-both, fastgen-paper and h2o read every "
-                        "prompt row, which costs 4x per doubling of the length); fastgen is "
-                        "the budget mode, "
-                        "fastgen-threshold and fastgen-paper run at --thresholds; the full cache "
-                        "always runs (the reference)")
+                   help=f"methods, of {' '.join(METHODS)} (default full fastgen snapkv; "
+                        "fastgen-paper and h2o read every prompt row, which costs 4x per "
+                        "doubling of the length); fastgen-paper runs at --thresholds; the full "
+                        "cache always runs (the reference)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9],
-                   help="recovery thresholds T of fastgen-threshold and fastgen-paper "
-                        "(default 0.9)")
+                   help="recovery thresholds T of fastgen-paper (default 0.9)")
     p.add_argument("--kl-lengths", type=int, nargs="*",
                    help="lengths of the text windows for KL and top-1 (default 4096 8192; none: "
                         "no text quality)")
@@ -772,13 +746,6 @@ def parse_args(argv=None):
     p.add_argument("--batch-tokens", type=int, default=32768, help="prompt tokens per batch: "
                    "cases per batch = this / length (default 32768: 16 at 2k, 4 at 8k; the "
                    "recorded prefill holds about 115 kB a token for SmolLM2, 3.8 GB)")
-    p.add_argument("--r-local", type=float, default=0.3, help="FastGen Local ratio (0.3)")
-    p.add_argument("--r-frequent", type=float, default=0.3, help="FastGen Frequent ratio (0.3)")
-    p.add_argument("--span", type=int, help="span of FastGen but the paper's (generate.py "
-                   "--span; default: its default)")
-    p.add_argument("--scopes", nargs="+", metavar="SCOPE", help="FastGen's budget mode at "
-                   "each of these --budget-scope values (layer, model or a number of layers), "
-                   "each its own line (default: the default's only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the cases and windows (default 0)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 "
                    "leaves the other core to other work")
@@ -796,13 +763,6 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
-    if a.span is not None and a.span < 1:
-        p.error(f"--span must be 1 (each token its own score) or more (got {a.span})")
-    for scope in a.scopes or []:
-        try:
-            scope_of(scope)
-        except ValueError:
-            p.error(f"--scopes: each is layer, model or a number of layers (got {scope!r})")
     given = {k: getattr(a, k) for k in DEFAULTS}
     try:
         check(**{k: (QUICK if a.quick else DEFAULTS)[k] if v is None else v

@@ -78,9 +78,7 @@ def child(job: dict) -> dict:
             peak["data"] = max(peak["data"], status()["VmData"])
 
     hook = torch.nn.modules.module.register_module_forward_hook(measure)
-    options = CacheOptions(job["kv"], kv_budget=job["budget"], prefill_chunk=job["chunk"],
-                           rechoose=job.get("rechoose", False),
-                           **({"budget_scope": job["scope"]} if job.get("scope") else {}))
+    options = CacheOptions(job["kv"], kv_budget=job["budget"], prefill_chunk=job["chunk"])
     t0 = time.perf_counter()
     gen = generate(model, [ids], NEW_TOKENS, cache=options, token_flags=flags_of(model, tok))
     hook.remove()
@@ -201,21 +199,19 @@ def main(argv=None):
 
     from studies.evaluate import machine
     t0 = time.time()
-    kinds = [("full", None, None)] + [("fastgen", b, scope) for scope in a.scopes or [None]
-                                      for b in a.budgets]
+    kinds = [("full", None)] + [("fastgen", b) for b in a.budgets]
     chunks = (None, a.chunk) if a.chunk else (None,)
-    jobs = [dict(ckpt=a.ckpt, kv=kv, budget=b, scope=scope, chunk=chunk, length=n,
-                 threads=a.threads)
-            for n in a.lengths for kv, b, scope in kinds for chunk in chunks]
+    jobs = [dict(ckpt=a.ckpt, kv=kv, budget=b, chunk=chunk, length=n, threads=a.threads)
+            for n in a.lengths for kv, b in kinds for chunk in chunks]
     rows = [run(job) for job in tqdm(jobs, desc="runs")]
     env = "".join(f"{k}={v} " for k, v in os.environ.items() if k.startswith("MALLOC_"))
     res = dict(date=time.strftime("%Y-%m-%d"), machine=machine(), threads=a.threads,
                command=env + "python -m studies.prefill_memory " + " ".join(argv or sys.argv[1:]),
                rows=rows)
     if a.cap_mib:
-        cap_rows = [longest(dict(ckpt=a.ckpt, kv=kv, budget=b, scope=scope, chunk=chunk,
-                                 threads=a.threads), a.cap_mib, a.cap_lengths)
-                    for kv, b, scope in tqdm(kinds, desc="under the cap") for chunk in chunks]
+        cap_rows = [longest(dict(ckpt=a.ckpt, kv=kv, budget=b, chunk=chunk, threads=a.threads),
+                            a.cap_mib, a.cap_lengths)
+                    for kv, b in tqdm(kinds, desc="under the cap") for chunk in chunks]
         res["cap"] = dict(mib=a.cap_mib, lengths=sorted(a.cap_lengths), rows=cap_rows)
     res["runtime_s"] = time.time() - t0
     out = Path(a.out)
@@ -227,7 +223,6 @@ def main(argv=None):
 
 
 def parse_args(argv=None):
-    from generation import scope_of
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 2)[2])
@@ -239,9 +234,6 @@ def parse_args(argv=None):
                    help="FastGen budgets (default 0.25 0.5)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per chunk (default 512; 0: "
                    "one call only)")
-    p.add_argument("--scopes", nargs="+", metavar="SCOPE", help="FastGen at each of these "
-                   "--budget-scope values (layer, model or a number of layers; default: the "
-                   "default's only)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--cap-mib", type=int, help="also find the longest prompt that fits under "
                    "a data limit of this many MiB (RLIMIT_DATA)")
@@ -259,11 +251,6 @@ def parse_args(argv=None):
     if min(a.lengths + a.cap_lengths) < 2 or a.chunk < 0 or a.threads < 1:
         p.error("--lengths and --cap-lengths need at least 2 tokens, --threads 1, and --chunk "
                 "is 0 (none) or more")
-    for scope in a.scopes or []:
-        try:
-            scope_of(scope)
-        except ValueError:
-            p.error(f"--scopes: each is layer, model or a number of layers (got {scope!r})")
     if any(not 0 < b <= 1 for b in a.budgets):
         p.error(f"--budgets must be in (0, 1] (got {a.budgets})")
     return a

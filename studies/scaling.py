@@ -13,8 +13,8 @@ with 128 new tokens: the 8k cell is 8064 tokens), with a note on stderr and in
 the report; asking for more new tokens than the context holds is an error.
 
 In each cell, round-robin, `--runs` times: HF `generate` (its DynamicCache,
-always eager), our full cache and our FastGen cache (its defaults: the budget
-mode, or threshold mode at `--recovery`; and as the paper states it), eager, and with `--compile` both or only
+always eager), our full cache and our FastGen cache (the default, and the paper's method
+at `--recovery`), eager, and with `--compile` both or only
 our full and FastGen caches with the decode step compiled (the first,
 compiling step left out of the decode time). Per row: decode and prefill
 tokens/s (median), decode as a share of the bandwidth roofline, the KV bytes
@@ -108,8 +108,9 @@ def measure(args) -> dict:
     def run(impl, compiled, prompts, new_tokens):
         if impl == "transformers":
             return time_hf(hf, prompts, new_tokens)
-        cache = CacheOptions(impl.split("-")[0], recovery=args.recovery,
-                             paper=impl == "fastgen-paper")
+        paper = impl == "fastgen-paper"
+        cache = CacheOptions(impl.split("-")[0], paper=paper,
+                             recovery=args.recovery if paper else None)
         return time_ours(model, prompts, new_tokens, cache, compiled, flags, args.compile_options)
 
     grid = cells(args)
@@ -326,8 +327,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated (default 128)")
     p.add_argument("--profile-tokens", type=int, nargs="+", default=[128, 512],
                    help="new-token counts of the profiling share (default 128 512)")
-    p.add_argument("--recovery", type=float, help="FastGen in threshold mode at this T "
-                   "(default: the budget mode at 0.5, generate.py's default)")
+    p.add_argument("--recovery", type=float, help="the paper's threshold T (default 0.95)")
     p.add_argument("--no-paper", dest="paper", action="store_false",
                    help="leave out FastGen as the paper states it (its every-row profiling and "
                         "per-token eviction take most of the sweep's time at 8k and batch 16)")
