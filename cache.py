@@ -194,6 +194,10 @@ class FastGenCache(Cache):
         # budget, what its heads took at the prompt (`choose_policies`).
         self.share = method.kv_budget
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
+        # Whether a head of this layer, on any rank under tensor parallel, took a policy
+        # that reads the latest query's attention: the pool then keeps it for every head,
+        # as one process's does, so that choosing again may offer such a policy to any.
+        self.reads_last = False
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
         self.evict_every = method.evict_every or max(EVICT_EVERY, self.page // 2)
@@ -236,9 +240,9 @@ class FastGenCache(Cache):
         return causal_attention(q, k, v) if out is None else out
 
     def from_sums(self, sums: Profile, tokens, layers: int = 1) -> tuple[Slots, torch.Tensor]:
-        """`profile` from profiling's `sums` of `layers` layers stacked: slots
-        (layers * S, T) and recoveries (layers * S, n_policies), None for a
-        single policy, which has nothing to choose (`banded`)."""
+        """The prompt's slots, scored by profiling's `sums` of `layers` layers
+        stacked, (layers * S, T), and every policy's recovery (layers * S, M);
+        None for a single policy, which has nothing to choose (`banded`)."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
                               layers, self.method.span)
         prompt.keeps_all(self.policies)
@@ -254,7 +258,8 @@ class FastGenCache(Cache):
         heads per KV head."""
         device = prompt.pos.device
         chosen = [self.policies[i] for i in sorted(set(choice))]
-        self.pool = pool.build(choice, kept, growth, any(p.reads_last for p in chosen),
+        self.pool = pool.build(choice, kept, growth,
+                               self.reads_last or any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device, bits=self.bits)
         # Each segment's prompt length, first query profiled, and policy (`follow`).
@@ -354,8 +359,8 @@ class FastGenCache(Cache):
             if self.bits is not None:
                 other = [i for i, b in enumerate(self.bits) if b != g.bits]
                 values[seg[:, None], other] = -math.inf
-        if "last" not in self.pool.fields:
-            values[:, [i for i, p in enumerate(P) if p.reads_last]] = -1.0
+        if "last" not in self.pool.fields:  # not offered: no policy may read what is not kept
+            values[:, [i for i, p in enumerate(P) if p.reads_last]] = -math.inf
         unit, full_unit = self.token_bytes()
         if self.errors is not None:
             values = values - self.errors
@@ -561,9 +566,11 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         full = (first.prompt_lens.cpu() + new) * (costs.shape[1] // B * full_unit)  # (B,)
         budgets = (first.method.kv_budget * full).long().expand(L, B)
         picks, spent = knapsacks(values, costs, budgets)
-        for c, pick, cost, b in zip(caches, picks if heads is None else heads.mine(picks),
-                                    spent, budgets):
-            c.choice = pick
+        reads = torch.tensor([p.reads_last for p in first.policies], device=picks.device)
+        reads = reads[picks].any(1).tolist()  # each layer's, every rank's heads
+        for c, pick, cost, b, r in zip(caches, picks if heads is None else heads.mine(picks),
+                                       spent, budgets, reads):
+            c.choice, c.reads_last = pick, r
             c.share = first.method.kv_budget * cost / b.clamp(min=1)  # (B,) what it took
 
 

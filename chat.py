@@ -5,8 +5,7 @@ adds after what the cache already holds is encoded and fed, so a conversation is
 twice. Every cache takes a turn in chunks of CHUNK tokens, each attending over everything
 before it. A compressed cache keeps of each chunk what its heads' policies keep
 (FastGenCache.chunk): a turn counts as read, like the first, and each chunk chooses every
-head's policy again from its last rows (`CacheOptions.rechoose`, the default; otherwise the first
-turn's plan is kept), so the budget holds for the whole conversation (see the README).
+head's policy again from its last rows, so the budget holds for the whole conversation.
 """
 from __future__ import annotations
 

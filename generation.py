@@ -348,9 +348,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
                      dense_kv_bytes(model, B, T + max_new_tokens, 16 if cache.kv_bits else None),
                      full_kv_bits=16 if cache.kv_bits else None)
     gen.interrupted = interrupted
-    gen.plan = [c.plan_names() for c in caches]
-    if gen.plan[0]:  # a compressed cache (a full one in 8 bits too)
+    plan = [c.plan_names() for c in caches]
+    if plan[0]:  # a compressed cache (a full one in 8 bits too)
         K = model.args.n_kv_heads
+        gen.plan = plan
         gen.kept_tokens = sum(c.kept() for c in caches)
         gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
         gen.profile_s = sum(c.profile_s for c in caches)

@@ -43,6 +43,8 @@ BAND_ROWS = 128
 # sequences (a model's layers stacked, as `cache.decide` profiles) would read
 # all the keys once per row, bound by memory traffic.
 MIN_ROWS = 64
+
+
 @dataclass
 class Profile:
     """What profiling read of one layer's prompt attention, per segment (S of them)."""
@@ -61,14 +63,14 @@ class Profile:
 
 def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    chunk_bytes: int = CHUNK_BYTES) -> Profile:
-    """Column sums of the prompt's causal attention per KV head.
+    """Column sums of the prompt's causal attention per KV head, in float32,
+    averaged over the G query heads of each; flattened to segments (B * K, ...).
 
-    q: (B, H, T', D), the queries of the last T' rows (T' <= T: at least the
-    rows read), k: (B, K, T, D), lens: (B,) prompt lengths (rows at or past a
-    sequence's length are padding and ignored); ratios: the Local ratios whose
-    band sums to take; rows: read the last `rows` rows of each prompt (None: all).
-    Sums are float32, averaged over the G query heads of each KV head; the
-    Profile's tensors are flattened to segments, (B * K, ...).
+    q : (B, H, T', D) the queries of the last T' rows (at least the rows read)
+    k : (B, K, T, D) the keys
+    lens : (B,) prompt lengths; rows at or past them are padding, ignored
+    ratios : the Local windows whose band sums to take
+    rows : the last rows of each prompt read; None: every row
     """
     B, K, T, D = k.shape
     H = q.shape[1]

@@ -474,8 +474,7 @@ def parse_args(argv=None):
     p.add_argument("--kv", nargs="+", default=["full", "fastgen"],
                    metavar="KIND[@B][:BUDGET]",
                    help="our caches to time: a --kv kind, with its --kv-bits after @ (slashes "
-                   "between several), its --kv-budget after a colon and its --hh-rows after a "
-                   "plus, e.g. full@16 fastgen@16/8/4:0.25 (default: full "
+                   "between several) and its --kv-budget after a colon, e.g. full@16 fastgen@16/8/4:0.25 (default: full "
                    "fastgen)")
     p.add_argument("--stat", choices=["median", "best"], default="median",
                    help="report the median or the fastest of the runs; best suits a machine "

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from cache import reserve
+from model import reserve
 from generation import CacheOptions, flags_of, generate, load, make_caches, prefill_logits
 from studies.evaluate import answer_ok, machine, passkey_cases
 from studies.textdata import SOURCES, prompts

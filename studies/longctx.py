@@ -67,7 +67,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cache import reserve
+from model import reserve
 from generation import CacheOptions, dense_kv_bytes, make_caches
 from studies import evaluate
 from studies.evaluate import Config

@@ -34,7 +34,7 @@ def steps(args) -> tuple[list[tuple[str, list[str]]], list[str]]:
     light = [] if args.full or args.quick else ["--runs", "1"]
     return [
         ("attention study", ["attention_study", "--out", str(out / "attention_study")]),
-        ("quality and passkey", ["evaluate", "--out", str(out / "evaluate/quality"), "--ablation"]
+        ("quality and passkey", ["evaluate", "--out", str(out / "evaluate/quality")]
          + (["--peer", "kvpress", "--peer-python", args.peer_python] if args.peer else
             [] if args.quick else ["--peer-rows", str(KVPRESS_ROWS)])),
         *([] if args.quick else [("quality on news prose", [

@@ -1,17 +1,19 @@
 """A slow, independent model of the FastGen cache, to test the real one against.
 
-The reference shares no code with `cache.py` or `profiling.py` (`drive` only
-builds the cache under test). Each segment
+`Reference` shares no code with `cache.py` or `profiling.py`. Each segment
 (sequence, KV head) is a Python set of kept positions and a dict of their
 heavy-hitter scores; attention is dense, in float64, over every key the
 sequence has ever seen, masked to the kept set; profiling builds the whole
-attention matrix and sums it row by row. Policies are read only through their
-classes and parameters (`policy.members()`, `r`, `n`): their semantics are
-re-implemented here on sets, from the design notes.
+attention matrix and sums it row by row, and a chunk's choosing again reads
+the attention its last rows gave what each segment holds. Policies are read
+only through their classes and parameters (`policy.members()`, `r`, `n`):
+their semantics are re-implemented here on sets, from the design notes.
 
 `CheckedCache` runs a `FastGenCache` and the reference side by side and
-asserts after every call that both hold the same tokens with the same scores
-and return the same attention output.
+asserts after every call that both hold the same tokens with the same scores,
+measure the same recoveries, choose the same policies and return the same
+attention output. It asks the cache's own ranking only for what each policy
+keeps, to break near-ties the way the cache did (`drive` builds the cache).
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ from fractions import Fraction
 
 import pytest
 import torch
-import torch.nn as nn
 
-from quant import channel_factors, dequantize, quantize
+from cache import FastGenCache
+from model import Cache
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       Union)
+from profiling import attention_sums, local_ratios, weigh
+from quant import channel_factors, dequantize, quantize
 
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
@@ -108,21 +112,22 @@ def prompt_attention(q, k):
     return logits.masked_fill(~causal, -math.inf).softmax(-1)
 
 
-def brute_recovery(policy, A, prompt_len, flags, colsum, rows=None, sink=True, last=None,
+def brute_recovery(policy, A, prompt_len, flags, score, rows=None, last=None,
                    hint=frozenset()):
     """Share of attention `policy` recovers, from the whole attention matrix.
 
-    A: (G, L, L) causal attention of the G query heads of one KV head. Row i
-    keeps the policy's fixed set plus, when it has a Local member, its window
-    {j : i - W < j <= i}; the mass on the kept set is averaged over the rows
-    read (the last `rows`, or all) and the heads. Without `sink`, column 0
-    counts neither as kept nor as attention to recover. `hint` breaks ties.
+    A: (G, L, L) causal attention of the G query heads of one KV head (its
+    columns weighed, where the cache weighs values). Row i keeps the policy's
+    fixed set, ranked by `score` (and `last`), plus, when it has a Local
+    member, its window {j : i - W < j <= i}; the mass on the kept set is
+    averaged over the rows read (the last `rows`, or all) and the heads.
+    `hint` breaks ties.
     """
     G, L, _ = A.shape
     first = L - min(rows or L, L)
     # The members other than Local at once, so that a tie is broken as for the union.
     others = [m for m in policy.members() if not isinstance(m, Local)]
-    fixed = keep(Union(*others), set(range(L)), L, L, flags, colsum, hint, first, last) \
+    fixed = keep(Union(*others), set(range(L)), L, L, flags, score, hint, first, last) \
         if others else set()
     mask = torch.zeros(L, L, dtype=torch.bool)
     mask[:, sorted(fixed)] = True
@@ -133,10 +138,27 @@ def brute_recovery(policy, A, prompt_len, flags, colsum, rows=None, sink=True, l
                 mask[i, max(0, i - W + 1):i + 1] = True
     A = A[:, first:]
     mask = mask[first:]
-    if not sink:
-        total = A[..., 1:].sum()
-        return float((A * mask)[..., 1:].sum() / total) if total > 1e-4 * G * (L - first) else 1.0
     return float((A * mask).sum() / (G * (L - first)))
+
+
+def held_recovery(policy, rows, held, seen, prompt_len, flags, score, hint, first_query, last):
+    """Share of attention `policy` recovers of what a segment holds, from the
+    attention of some query rows: rows, a list of (position, attention) with
+    attention[j] what the row gave position j (j held). As `brute_recovery`
+    reads a prompt: the fixed set ranked on what is held, plus, for a Local
+    member, each row's window."""
+    others = [m for m in policy.members() if not isinstance(m, Local)]
+    fixed = keep(Union(*others), held, seen, prompt_len, flags, score, hint, first_query, last) \
+        if others else set()
+    W = max((ceil_share(m.r, prompt_len) for m in policy.members() if isinstance(m, Local)),
+            default=0)
+    return sum(sum(a.get(j, 0.0) for j in held if j in fixed or j > p - W)
+               for p, a in rows) / len(rows)
+
+
+def carried(colsum, span):
+    """Each token's score: the most attention any of the `span` tokens up to it received."""
+    return [max(colsum[max(0, j - span + 1):j + 1]) for j in range(len(colsum))]
 
 
 @pytest.fixture(autouse=True)
@@ -150,16 +172,22 @@ def one_thread():
 
 
 class Reference:
-    """The reference for one layer: B sequences, K KV heads, S = B*K segments."""
+    """The reference for one layer: B sequences, K KV heads, S = B*K segments.
+
+    The options are a cache.Method's, read as plain values: `threshold` its
+    recovery, `budget` its kv_budget; `span` carries a prompt token's score
+    to the span - 1 tokens after it, and `weigh` counts a prompt token's
+    attention times its value's norm (scaled so that a row still sums to one)."""
 
     def __init__(self, policies, threshold, prompt_lens, n_kv_heads, token_flags, rows=None,
-                 sink=True, budget=None, evict_every=1, bits=None, units=None):
+                 budget=None, evict_every=1, bits=None, units=None, span=1, weigh=False):
         self.policies = list(policies)
         # Each policy's precision (None: unrounded), and what a token costs under
         # it and in a full cache (cost units: tokens, or bytes with precisions).
         self.bits, self.units = bits, units
         self.evict_every = evict_every
-        self.threshold, self.rows, self.sink, self.budget = threshold, rows, sink, budget
+        self.threshold, self.rows, self.budget = threshold, rows, budget
+        self.span, self.weigh = span, weigh
         self.lens = [int(n) for n in prompt_lens]
         self.K = n_kv_heads
         self.token_flags = token_flags.tolist()
@@ -169,7 +197,7 @@ class Reference:
 
     def prefill(self, q, k, v, tokens, state):
         """q: (B, H, T, D), k, v: (B, K, T, D). `state` is the cache's, after its
-        prefill (see `read_state`), for ties only. Returns the output (B, H, T, D)
+        prefill (`State`), for ties only. Returns the output (B, H, T, D)
         on the real rows (padding rows are zero)."""
         B, H, T, D = q.shape
         K, G = self.K, H // self.K
@@ -184,6 +212,8 @@ class Reference:
         self.steps = 0  # decode steps so far
         self.since = 0  # tokens taken since the last eviction
         self.last = {}  # segment -> the latest query's attention, per position
+        self.stored = {}  # segment -> the precision its tokens are stored at (its first policy's)
+        self.rechosen = 0  # chunks that chose every policy again
         for b, L in enumerate(self.lens):
             for h in range(K):
                 s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
@@ -191,24 +221,33 @@ class Reference:
                 A = prompt_attention(q[b, heads, :L], kk)  # (G, L, L)
                 y[b, heads, :L] = A @ vv
                 first = L - min(self.rows or L, L)
+                if self.weigh:  # token j's attention times |v_j|, each row read still summing to 1
+                    norm = v[b, h, :L].float().norm(dim=-1).double()
+                    colsum = A[:, first:].sum(1).mean(0)
+                    A = A * (norm * colsum.sum() / (colsum * norm).sum().clamp(min=1e-12))
                 colsum = A[:, first:].sum(1).mean(0).tolist()  # (L,) attention each token received
+                score = carried(colsum, self.span)  # what heavy hitters rank by
                 last = A[:, -1].mean(0).tolist()  # from the last row alone
                 self.last[s] = last
                 self.first[s] = first
                 self.recovery[s] = torch.tensor([
-                    brute_recovery(p, A, L, self.flags[b], colsum, self.rows, self.sink, last,
+                    brute_recovery(p, A, L, self.flags[b], score, self.rows, last,
                                    state.prompt_kept[s][i])
                     for i, p in enumerate(self.policies)])
                 self.choice.append(self.choose(self.recovery[s], state.choice[s]))
                 every = torch.ones(1, L, dtype=torch.bool)
                 self.factors[s] = channel_factors(k[b, h, None, :L], every)[0]
+                self.stored[s] = None if self.bits is None else self.bits[self.choice[s]]
                 self.k[s], self.v[s] = self.rounded(s, kk, key=True), self.rounded(s, vv)
                 for i, p in enumerate(self.policies):
-                    self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], colsum,
+                    self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], score,
                                                   state.prompt_kept[s][i], first, last)
                 self.policy[s] = self.policies[self.choice[s]]
                 self.kept[s] = self.prompt_keep[s, self.choice[s]]
-                self.score[s] = {j: colsum[j] for j in self.kept[s]}
+                self.score[s] = {j: score[j] for j in self.kept[s]}
+        self.prompt_choice = list(self.choice)  # the plan of the prompt, before any chunk
+        # The cache keeps the latest query's attention where a policy of its plan reads it.
+        self.has_last = any(isinstance(m, TOVA) for p in self.policy.values() for m in p.members())
         if self.budget is not None and len(self.policies) > 1:
             # The choice is the cache's (tests/test_profiling.py checks the knapsack
             # against brute force); here, that it is within the budget.
@@ -225,7 +264,7 @@ class Reference:
 
     def rounded(self, s, x, key=False):
         """x (n, D) as segment s's precision stores and reads it, in float64."""
-        b = None if self.bits is None else self.bits[self.choice[s]]
+        b = self.stored[s]
         if b is None:
             return x.double()
         if b == 16:
@@ -237,7 +276,8 @@ class Reference:
 
     def choose(self, recovery, cache_choice):
         """The first policy reaching the threshold (Full when the threshold is >= 1);
-        a recovery within rounding of the threshold may go either way."""
+        a recovery within rounding of the threshold may go either way. Under a
+        budget, the cache's choice (checked elsewhere)."""
         n = len(self.policies)
         if self.budget is not None and n > 1:
             return cache_choice
@@ -301,18 +341,59 @@ class Reference:
         (the rest is padding): each taken as a decode step would take it, with
         eviction deferred until the chunk's end; the chunk then counts as read,
         like the prompt. q: (B, H, T, D), k, v: (B, K, T, D). Returns the output
-        (B, H, T, D), zero on padding."""
+        (B, H, T, D), zero on padding, and how many of the chunk's last rows
+        choose every policy again (`choose_again`): the last `rows` (or all),
+        when there is a choice and every sequence takes the whole chunk."""
         if self.since >= self.evict_every:
             self.evict(state)
         B, H, T, D = q.shape
+        R = min(self.rows or T, T) if len(self.policies) > 1 and min(counts) == T else 0
+        # Segment -> (position, the attention it gave each position) of the rows observed.
+        self.observed = {s: [] for s in self.kept}
         y = torch.zeros(B, H, T, D, dtype=torch.float64)
         for b in range(B):
             for t in range(int(counts[b])):
-                y[b, :, t] = self.take(b, q[b, :, t], k[b, :, t], v[b, :, t],
-                                       int(input_pos[b, t]), tokens[b, t])
+                p = int(input_pos[b, t])
+                y[b, :, t] = self.take(b, q[b, :, t], k[b, :, t], v[b, :, t], p, tokens[b, t])
+                if t >= T - R:
+                    for h in range(self.K):
+                        s = self.seg(b, h)
+                        self.observed[s].append((p, dict(enumerate(self.last[s]))))
             self.lens[b] += int(counts[b])
         self.since += T
-        return y
+        return y, R
+
+    def offered(self, s, i) -> bool:
+        """Whether segment s may take policy i when a chunk chooses again: its
+        tokens stay at the precision they are stored at, and a policy that
+        ranks by the latest attention needs a cache that keeps it (one whose
+        prompt plan has such a policy)."""
+        reads_last = lambda p: any(isinstance(m, TOVA) for m in p.members())  # noqa: E731
+        return ((self.bits is None or self.bits[i] == self.stored[s])
+                and (self.has_last or not reads_last(self.policies[i])))
+
+    def choose_again(self, hint, cache_choice, errors):
+        """After a chunk whose last rows were observed: each policy's recovery of
+        what each segment holds, from those rows' attention (`held_recovery`),
+        less what its precision costs (`errors`, the cache's, tested apart), and
+        the threshold's choice or, under a budget, the cache's. Returns the
+        recoveries, (S, M), -inf where the policy is not offered."""
+        S, M = len(self.kept), len(self.policies)
+        recovery = torch.full((S, M), -math.inf, dtype=torch.float64)
+        for s in range(S):
+            b = s // self.K
+            for i, p in enumerate(self.policies):
+                if self.offered(s, i):
+                    recovery[s, i] = held_recovery(
+                        p, self.observed[s], self.kept[s], len(self.flags[b]), self.lens[b],
+                        self.flags[b], self.score[s], hint[s][i], self.first[s],
+                        self.last[s]) - (0 if errors is None else float(errors[s, i]))
+        self.choice = [self.choose(recovery[s], cache_choice[s]) for s in range(S)]
+        for s, c in enumerate(self.choice):
+            assert self.offered(s, c), f"segment {s} took {self.policies[c]!r}, not offered"
+            self.policy[s] = self.policies[c]
+        self.rechosen += 1
+        return recovery
 
 
 class State:
@@ -343,6 +424,18 @@ class State:
             len(set(row)) == len(row) and all(flat[j] < 0 and owner[j] == s for j in row)
             for s, row in enumerate(taking.tolist()))
 
+    def held_keeps(self, cache):
+        """What each policy keeps of what each segment holds, by the cache's own
+        ranking, as a chunk's choosing again ranks it (the latest attention that
+        of the chunk's last row): the reference breaks its near-ties the same way."""
+        self.held_kept = [None] * len(self.kept)
+        for g, seen in zip(cache.pool.groups, cache.pool.observed):
+            slots = cache.slots(g)
+            slots.last = seen[:, -1]
+            keeps = [slots.keeps(p) for p in cache.policies]
+            for row, s in enumerate(g.seg.tolist()):
+                self.held_kept[s] = [set(slots.pos[row][keep[row]].tolist()) for keep in keeps]
+
 
 def compare(ref: Reference, state: State):
     """The cache and the reference hold the same tokens with the same scores."""
@@ -355,37 +448,45 @@ def compare(ref: Reference, state: State):
                 f"segment {s}: score of position {j} is {score}, reference {ref.score[s][j]}")
 
 
-class CheckedCache(nn.Module):
-    """A FastGenCache checked against the reference on every call."""
+class CheckedCache(Cache):
+    """A FastGenCache checked against the reference on every call.
+
+    Under a budget it decides alone (its prefill flushes its `Pending`): the
+    reference checks the budget of one layer's heads."""
 
     def __init__(self, cache, atol=1e-5):
         super().__init__()
         self.cache = cache
-        self.ref = Reference(cache.policies, cache.threshold, cache.prompt_lens.tolist(),
-                             cache.n_kv_heads, cache.token_flags, cache.rows, cache.sink,
-                             cache.budget, cache.evict_every, cache.bits)
+        m = cache.method
+        self.ref = Reference(cache.policies, m.recovery, cache.prompt_lens.tolist(),
+                             cache.n_kv_heads, cache.token_flags, m.rows, m.kv_budget,
+                             cache.evict_every, cache.bits, span=m.span, weigh=m.weigh_values)
         self.atol = atol
         self.steps = 0
         self.tokens = 1
 
-    def reserve(self, tokens=1):
+    @staticmethod
+    def reserve(caches, tokens=1):
         """`forward` reserves, and checks that it left room; a chunk's counts are
         given here (`cache.reserve`'s `tokens`)."""
-        self.tokens = tokens
+        for c in caches:
+            c.tokens = tokens
 
     def forward(self, q, k, v, input_pos, tokens):
         prefill = self.cache.pool is None
         if prefill:
             # What each policy keeps of the prompt by the cache's own ranking: the
             # reference breaks its near-ties (float32 against float64) the same way.
-            prompt, _ = self.cache.profile(q, k, tokens, self.cache.rows, self.cache.sink)
-            keeps = [prompt.keeps(p) for p in self.cache.policies]
+            c, m = self.cache, self.cache.method
+            sums = attention_sums(q, k, c.prompt_lens, local_ratios(c.policies), m.rows)
+            prompt, _ = c.from_sums(weigh(sums, v) if m.weigh_values else sums, tokens)
+            keeps = [prompt.keeps(p) for p in c.policies]
             kept = [[set(prompt.pos[s][keep[s]].tolist()) for keep in keeps]
                     for s in range(len(prompt.pos))]
         else:
             T, tokens_taken, self.tokens = q.shape[2], self.tokens, 1
             chunk = T > 1 or not isinstance(tokens_taken, int)
-            self.cache.reserve(tokens_taken)
+            FastGenCache.reserve([self.cache], tokens_taken)
             before = State(self.cache)
             assert before.taking_ok if chunk else all(before.dest_ok), \
                 "reserve pointed a segment at a slot not free or not its own"
@@ -418,31 +519,42 @@ class CheckedCache(nn.Module):
             self.steps += 1
         else:
             counts = [T] * len(q) if isinstance(tokens_taken, int) else list(tokens_taken)
-            expected = self.ref.chunk(q, k, v, input_pos, tokens, counts, before)
+            expected, rows = self.ref.chunk(q, k, v, input_pos, tokens, counts, before)
             for b, n in enumerate(counts):
                 torch.testing.assert_close(y[b, :, :n].double(), expected[b, :, :n],
                                            atol=self.atol, rtol=0)
+            if rows:  # the chunk chose every policy again
+                state.held_keeps(self.cache)
+                assert all(len(seen) == rows for seen in self.ref.observed.values())
+                recovery = self.ref.choose_again(state.held_kept, state.choice, self.cache.errors)
+                got = self.cache.recovery.double()
+                offered = recovery > -math.inf
+                torch.testing.assert_close(got[offered], recovery[offered], atol=1e-4, rtol=0,
+                                           msg=lambda m: f"{m}\n{got}\n{recovery}")
+                # A policy not offered is worth nothing a threshold or the knapsack would take.
+                assert (got[~offered] <= -1).all(), got
+                assert state.choice == self.ref.choice
         compare(self.ref, state)
         return y
 
 
-def drive(policies, threshold, stream, lens, n_heads, n_kv_heads, max_new_tokens, token_flags, *,
-          head_dim=8, seed=0, scale=1.5, chunks=None, **options) -> CheckedCache:
-    """Run a FastGenCache and the reference on random queries, keys and values:
-    a prefill of prompts `lens` long, then max_new_tokens - 1 decode steps, or
-    the steps `chunks` lists: each a list of how many tokens each sequence
-    takes (one for all: a decode step; more: a chunk, its width the most).
+def drive(method, stream, lens, n_heads, n_kv_heads, max_new_tokens, token_flags, *,
+          head_dim=8, seed=0, scale=1.5, chunks=None, page=None) -> CheckedCache:
+    """Run a FastGenCache of `method` (cache.Method) and the reference on
+    random queries, keys and values: a prefill of prompts `lens` long, then
+    max_new_tokens - 1 decode steps, or the steps `chunks` lists: each a list
+    of how many tokens each sequence takes (one for all: a decode step; more:
+    a chunk, its width the most).
 
     stream: (B, width) token ids; sequence b's prompt is stream[b, :lens[b]]
     and its next tokens follow. `scale` sharpens attention so that heavy
-    hitters stand out. `options` go to FastGenCache.
+    hitters stand out. `page` goes to FastGenCache.
     """
-    from cache import FastGenCache
     g = torch.Generator().manual_seed(seed)
     B, T, D = len(lens), max(lens), head_dim
     randn = lambda *shape: torch.randn(*shape, generator=g)
-    cache = FastGenCache(policies, torch.tensor(lens), max_new_tokens, n_kv_heads, token_flags,
-                         threshold=threshold, **options)
+    cache = FastGenCache(method, torch.tensor(lens), max_new_tokens, n_kv_heads, token_flags,
+                         page=page)
     checked = CheckedCache(cache)
     with torch.no_grad():
         # Padding rows and columns hold junk that must not matter.
@@ -453,7 +565,7 @@ def drive(policies, threshold, stream, lens, n_heads, n_kv_heads, max_new_tokens
             n = max(counts)
             at = (pos + torch.arange(n)).clamp(max=stream.shape[1] - 1)
             if counts != [1] * B:
-                checked.reserve(counts)
+                CheckedCache.reserve([checked], counts)
             checked(randn(B, n_heads, n, D) * scale, randn(B, n_kv_heads, n, D) * scale,
                     randn(B, n_kv_heads, n, D), pos + torch.arange(n), stream.gather(1, at))
             pos = pos + torch.tensor(counts)[:, None]

@@ -59,31 +59,29 @@ def test_squared_losses_spread_what_a_sum_of_recoveries_concentrates():
 
 
 @torch.no_grad()
-def test_the_cache_s_knapsack_maximizes_its_objective(monkeypatch):
-    """FastGenCache(objective=...) hands the knapsack the recoveries
-    ("linear") or their squared losses ("squared"), from the same profile."""
+def test_the_cache_s_knapsack_minimizes_squared_losses(monkeypatch):
+    """A FastGen cache under a budget hands the knapsack the squared losses
+    of the recoveries it measured (profiling.squared_losses), every head of
+    the layers deciding together in one knapsack per sequence."""
     import cache as cache_module
     from test_cache import greedy, prompts_of, random_flags, tiny_model
     from test_quant import MENU
-    seen = {}
+    seen = []
     real = cache_module.fit_budgets
 
     def spy(values, costs, budgets, *args):
-        seen.setdefault("values", []).append(values.clone())
+        seen.append(values.clone())
         return real(values, costs, budgets, *args)
 
     monkeypatch.setattr(cache_module, "fit_budgets", spy)
     model, lens = tiny_model(), [30, 22]
-    got = {}
-    for objective in ("linear", "squared"):
-        seen.clear()
-        caches = cache_module.fastgen_caches(model, MENU, lens, 4, random_flags(256, 2),
-                                             budget=0.4, objective=objective)
-        greedy(model, prompts_of(lens, seed=5), caches, 4)
-        got[objective] = (torch.cat(seen["values"]), torch.cat([c.recovery for c in caches]))
-    (linear, rec), (squared, rec2) = got["linear"], got["squared"]
-    assert torch.equal(rec, rec2)  # the same profile
-    assert torch.allclose(linear.flatten(0, 1), rec)
-    assert torch.allclose(squared.flatten(0, 1), squared_losses(rec))
-    with pytest.raises(ValueError, match="objective"):
-        cache_module.fastgen_caches(model, MENU, lens, 4, None, budget=0.4, objective="cubic")
+    method = cache_module.Method(MENU, kv_budget=0.4)
+    caches = cache_module.fastgen_caches(model, method, lens, 4, random_flags(256, 2))
+    greedy(model, prompts_of(lens, seed=5), caches, 4)
+    L, B, K, M = len(caches), len(lens), model.args.n_kv_heads, len(MENU)
+    assert len(seen) == 1 and seen[0].shape == (B, L * K, M)  # the model's 2 layers: one knapsack
+    # (B, L * K, M), each sequence's heads layer after layer, as the layers' (L * B * K, M).
+    values = seen[0].view(B, L, K, M).transpose(0, 1).reshape(L * B * K, M)
+    recovery = torch.cat([c.recovery for c in caches])
+    assert not torch.allclose(values, recovery)
+    torch.testing.assert_close(values, squared_losses(recovery))

@@ -1,17 +1,19 @@
 """The FastGen cache against brute force: profiling, kept tokens, attention
 output, bit-exactness of Full(), reported bytes, and the compiled decode step."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 import cache
 import pool
-from cache import FastGenCache, fastgen_caches
+from cache import FastGenCache, Method, fastgen_caches
 from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
-from model import KVCache, ModelArgs, Transformer, causal_attention
+from model import KVCache, ModelArgs, Transformer, causal_attention, reserve
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
-from profiling import (CHUNK_BYTES, Profile, attention_sums, both_scores, carried, flash_sums,
-                       local_ratios, prompt_slots, recovery, weigh)
+from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, flash_sums, local_ratios,
+                       prompt_slots, recovery, weigh)
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
@@ -50,8 +52,8 @@ def test_flash_sums_are_every_rows_sums():
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 5, None])
-@pytest.mark.parametrize("rows, sink", [(None, True), (4, True), (None, False), (5, False)])
-def test_chunked_recovery_equals_brute_force(chunk_rows, rows, sink):
+@pytest.mark.parametrize("rows", [None, 4, 5])
+def test_chunked_recovery_equals_brute_force(chunk_rows, rows):
     g = torch.Generator().manual_seed(chunk_rows or 0)
     B, H, K, D, lens = 2, 6, 2, 8, [13, 7]
     G, T, S = H // K, max(lens), B * K
@@ -78,7 +80,7 @@ def test_chunked_recovery_equals_brute_force(chunk_rows, rows, sink):
     A = {(b, h): prompt_attention(q[b, h * G:(h + 1) * G, :L], k[b, h, :L])
          for b, L in enumerate(lens) for h in range(K)}
     for policy in PROFILED:
-        got = recovery(policy, prompt, prof, sink)
+        got = recovery(policy, prompt, prof)
         for b, L in enumerate(lens):
             for h in range(K):
                 s, a = b * K + h, A[b, h]
@@ -91,11 +93,11 @@ def test_chunked_recovery_equals_brute_force(chunk_rows, rows, sink):
                 assert (prof.colsum[s, L:] == 0).all() and (prof.last[s, L:] == 0).all()
                 assert prof.rows[s] == L - first
                 expected = brute_recovery(policy, a, L, flags[b, :L].tolist(),
-                                          expected_colsum.tolist(), rows, sink,
+                                          expected_colsum.tolist(), rows,
                                           a[:, -1].mean(0).tolist())
                 assert abs(float(got[s]) - expected) < 1e-5, (policy, b, h)
     # Full recovers everything, up to rounding.
-    assert torch.allclose(got.new_ones(S), recovery(Full(), prompt, prof, sink), atol=1e-5)
+    assert torch.allclose(got.new_ones(S), recovery(Full(), prompt, prof), atol=1e-5)
 
 
 # --- The compressed cache against the masked dense reference -------------------
@@ -156,7 +158,8 @@ def test_cache_equals_masked_dense_reference(name, lens, n_heads, n_kv_heads, de
     g = torch.Generator().manual_seed(seed)
     flags = random_flags(32, seed, special=0.1, punct=0.25)
     stream = torch.randint(0, 32, (len(lens), max(lens) + 30), generator=g)
-    checked = drive(policies, threshold, stream, lens, n_heads, n_kv_heads, 31, flags, seed=seed)
+    checked = drive(Method(policies, recovery=threshold), stream, lens, n_heads, n_kv_heads, 31,
+                    flags, seed=seed)
     assert checked.steps == 30
     if any(Local(0.2) in p.members() for p in checked.cache.plan()) or name == "frequent":
         assert checked.ref.dropped > 0  # windows slid or heavy hitters were let go
@@ -166,7 +169,7 @@ def test_heavy_hitters_are_evicted_when_overtaken():
     """Frequent alone: some tokens once among the heavy hitters are let go later."""
     flags = random_flags(32, 0)
     stream = torch.randint(0, 32, (2, 50), generator=torch.Generator().manual_seed(0))
-    checked = drive([Frequent(0.2)], 0.0, stream, [14, 20], 4, 2, 31, flags)
+    checked = drive(Method([Frequent(0.2)]), stream, [14, 20], 4, 2, 31, flags)
     assert checked.ref.dropped > 0
 
 
@@ -193,8 +196,7 @@ def greedy(model, prompts, caches, max_new_tokens):
     out = [logits]
     cur = logits.argmax(-1)[:, None]
     for i in range(max_new_tokens - 1):
-        for c in caches:
-            c.reserve()
+        reserve(caches)
         logits = model(cur, lens[:, None] + i)[:, -1]
         out.append(logits)
         cur = logits.argmax(-1)[:, None]
@@ -207,79 +209,6 @@ def prompts_of(lens, seed=0, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("weigh_values", [False, True])
-def test_heavy_hitters_can_rank_by_every_row(weigh_values):
-    """With hh_rows="every", a cache that profiles its last 4 rows keeps the heavy
-    hitters of every row: the same keeps and logits as a cache that profiles
-    every row, where without it they differ."""
-    model = tiny_model()
-    lens, max_new = [30, 21], 6
-    prompts, flags = prompts_of(lens, seed=5), random_flags(256, 0)
-    policy = [Frequent(0.3) | Local(0.1)]
-    kw = dict(weigh_values=weigh_values)
-    with torch.no_grad():
-        every = greedy(model, prompts, fastgen_caches(model, policy, lens, max_new, flags,
-                                                      rows=None, **kw), max_new)
-        ranked = fastgen_caches(model, policy, lens, max_new, flags, rows=4, hh_rows="every", **kw)
-        assert torch.equal(greedy(model, prompts, ranked, max_new), every)
-        window = greedy(model, prompts, fastgen_caches(model, policy, lens, max_new, flags,
-                                                       rows=4, **kw), max_new)
-    assert not torch.equal(window, every)
-    assert all(c.every is None and c.held is None for c in ranked)  # let go at the decision
-    # Under the budget: the menu's recoveries still come from the window.
-    options = CacheOptions("fastgen", kv_budget=0.4, hh_rows="every")
-    caches = make_caches(model, options, lens, max_new, flags)
-    assert all(c.hh_rows == "every" and c.rows == 32 for c in caches)
-    with pytest.raises(ValueError, match="--hh-rows"):
-        CacheOptions("fastgen", hh_rows="all").check()
-
-
-def test_heavy_hitters_ranked_by_both_keep_the_top_of_each_ranking():
-    """hh_rows="both": the rows read's ranking (the needle a question points
-    at) and every row's (a far mention only every row's sums favour) take
-    turns, every row's until it has brought its share of the prompt, then the
-    rows read's alone; TOVA's prompt ranking, the last row's, likewise. The
-    scores keep the rows read's values, reordered."""
-    T, rows, needle, mention = 40, 4, 30, 8
-    lens, seen = torch.tensor([T]), (T - torch.arange(T)).float()[None]
-    by_window = 0.01 + 1e-4 * torch.arange(T).float()[None]  # per row that saw it: newest first
-    by_every = 0.01 + 1e-4 * (T - torch.arange(T)).float()[None]  # oldest first
-    by_window[0, needle], by_every[0, mention] = 0.5, 0.3
-    window = by_window * seen.clamp(max=rows)  # sums over the last 4 rows
-    every = by_every * seen  # sums over the rows since each token came
-    prof = Profile(window, {}, torch.tensor([float(rows)]), by_window)  # the last row: by_window
-    order = lambda s: s[0].argsort(descending=True).tolist()  # noqa: E731
-    score, last = both_scores(prof, every, lens, most=0.1)  # ceil(0.1 * 40) = 4 from every row
-    turns = [needle, mention, 39, 0, 38, 1, 37, 2]  # every row's 4: mention, 0, 1, 2
-    expected = turns + [t for t in order(by_window) if t not in turns]
-    assert order(score / seen) == expected and order(last) == expected
-    assert torch.allclose((score / seen).sort().values, by_window.sort().values)
-    # The scores are sums over the rows since each token came, as every row's
-    # are: decoding adds its attention to them (first_query 0).
-    slots = prompt_slots(Profile(window, {}, prof.rows, window, score), lens,
-                         torch.zeros(1, T, dtype=torch.long), 1)
-    assert torch.equal(slots.score, score) and int(slots.first_query) == 0
-
-
-def test_both_rankings_run_end_to_end():
-    """A cache under a budget with hh_rows="both" decodes, lets go of every
-    row's sums at the decision, and keeps what neither ranking alone keeps."""
-    model = tiny_model()
-    lens, max_new = [30, 21], 6
-    prompts, flags = prompts_of(lens, seed=5), random_flags(256, 0)
-    policy = [Frequent(0.3) | Local(0.1)]
-    keeps = {}
-    with torch.no_grad():
-        for rows in ("window", "every", "both"):
-            caches = fastgen_caches(model, policy, lens, max_new, flags, rows=4, hh_rows=rows)
-            logits = greedy(model, prompts, caches, max_new)
-            assert all(c.every is None and c.held is None for c in caches)
-            keeps[rows] = logits
-    assert not torch.equal(keeps["both"], keeps["window"])
-    options = CacheOptions("fastgen", kv_budget=0.4, hh_rows="both")
-    assert all(c.hh_rows == "both" for c in make_caches(model, options, lens, max_new, flags))
-
-
 @pytest.mark.parametrize("kind", ["local", "sink", "tova"])
 def test_a_policy_that_reads_no_sums_profiles_the_last_row_alone(kind):
     """A window, sinks and TOVA never read the attention summed over the prompt:
@@ -288,13 +217,14 @@ def test_a_policy_that_reads_no_sums_profiles_the_last_row_alone(kind):
     lens, max_new = [30, 21], 8
     prompts, flags = prompts_of(lens, seed=3), random_flags(256, 0)
     caches = make_caches(model, CacheOptions(kind, kv_budget=0.3), lens, max_new, flags)
-    assert all(c.rows == 1 for c in caches)
-    every_row = fastgen_caches(model, [baseline(kind, 0.3)], lens, max_new, flags, rows=None)
+    assert all(c.method.rows == 1 for c in caches)
+    every_row = fastgen_caches(model, Method([baseline(kind, 0.3)], rows=None), lens, max_new,
+                               flags)
     with torch.no_grad():
         assert torch.equal(greedy(model, prompts, caches, max_new),
                            greedy(model, prompts, every_row, max_new))
     for kind in ("h2o", "snapkv"):
-        assert make_caches(model, CacheOptions(kind), lens, max_new, flags)[0].rows != 1
+        assert make_caches(model, CacheOptions(kind), lens, max_new, flags)[0].method.rows != 1
 
 
 def test_a_policy_that_reads_every_row_sums_them_at_prefill(monkeypatch):
@@ -328,8 +258,8 @@ def test_model_with_fastgen_caches_equals_reference(policies, threshold, n_kv_he
     model = tiny_model(n_kv_heads=n_kv_heads)
     prompts, max_new = prompts_of([12, 19]), 31
     flags = random_flags(256, 1)
-    caches = [CheckedCache(c) for c in fastgen_caches(model, policies, [12, 19],
-                                                       max_new, flags, threshold=threshold)]
+    caches = [CheckedCache(c) for c in fastgen_caches(model, Method(policies, recovery=threshold),
+                                                       [12, 19], max_new, flags)]
     greedy(model, prompts, caches, max_new)
     assert all(c.steps == max_new - 1 for c in caches)
     assert sum(c.ref.dropped for c in caches) > 0
@@ -349,9 +279,11 @@ def test_layers_reserve_together_as_each_alone(evict_every):
     policies = [TOVA(0.6), Sink(2) | Local(0.3), Frequent(0.4, "mean") | Local(0.2), Full()]
 
     def make():
-        caches = fastgen_caches(model, policies, lens, max_new, flags, evict_every=evict_every)
+        caches = fastgen_caches(model, Method(policies, evict_every=evict_every), lens, max_new,
+                                flags)
         for c, threshold in zip(caches, (0.3, 0.6, 0.85, 0.9)):  # for plans that differ
-            c.threshold = threshold
+            c.method = replace(c.method, recovery=threshold)
+            c.pending = cache.Pending(1)  # each layer decides alone, under its own threshold
         return caches
 
     alone, together = make(), make()
@@ -365,8 +297,8 @@ def test_layers_reserve_together_as_each_alone(evict_every):
     follow = torch.randint(0, 256, (2, max_new), generator=torch.Generator().manual_seed(6))
     for i in range(max_new - 1):
         for c in alone:
-            c.reserve()
-        cache.reserve(together)
+            reserve([c])
+        reserve(together)
         for a, b in zip(alone, together):
             for name in (*a.pool.fields, "dest", "owner"):
                 assert torch.equal(getattr(a.pool, name), getattr(b.pool, name)), (i, name)
@@ -379,27 +311,24 @@ def test_layers_reserve_together_as_each_alone(evict_every):
     model.setup_caches(None)
 
 
-@pytest.mark.parametrize("policies, options", [
-    (menu(), dict(budget=0.5, rows=5)),
-    (shortlist(0.3, 0.3), dict(threshold=0.8)),  # the paper's: every row read
-    (menu(), dict(budget=0.5, rows=5, weigh_values=True)),
-])
 @pytest.mark.parametrize("held", ["each alone", "two by two", "all at once"])
 @torch.no_grad()
-def test_layers_decide_together_as_each_alone(policies, options, held, monkeypatch):
-    """Layers that wait for each other (`Pending`) are profiled, ranked and
-    scored as one batch: each layer gets the same recoveries, choice and pool
-    as when it decides alone, and the model the same outputs."""
+def test_layers_decide_together_as_each_alone(held, monkeypatch):
+    """Under a threshold, layers that wait for each other (`Pending`) are
+    profiled, ranked and scored as one batch: each layer gets the same
+    recoveries, choice and pool as when it decides alone, and the model the
+    same outputs."""
     model = tiny_model(n_layers=4)
     lens, max_new = [30, 21], 12
     prompts = prompts_of(lens, seed=7)
     flags = random_flags(256, 3)
+    method = Method(shortlist(0.3, 0.3), recovery=0.8)  # the paper's: every row read
     sizes = []
     monkeypatch.setattr(cache, "decide", lambda cs, decide=cache.decide: (
         sizes.append(len(cs)), decide(cs))[1])
 
     def run(held):
-        caches = fastgen_caches(model, policies, lens, max_new, flags, **options)
+        caches = fastgen_caches(model, method, lens, max_new, flags)
         if held == "each alone":
             for c in caches:
                 c.pending = cache.Pending(1)
@@ -428,6 +357,61 @@ def test_layers_decide_together_as_each_alone(policies, options, held, monkeypat
     model.setup_caches(None)
 
 
+@pytest.mark.parametrize("weigh_values", [False, True])
+@pytest.mark.parametrize("per", [1, 2, 4])
+@torch.no_grad()
+def test_a_budget_s_layers_are_profiled_as_each_alone(per, weigh_values, monkeypatch):
+    """Under a budget the heads of every cache.SCOPE layers share one
+    knapsack, decided once the last of them has come (the model's last layer
+    closing a shorter group). Profiled in passes of `per` layers (as many as
+    HELD_BYTES holds), every layer measures the recoveries it measures
+    deciding alone, and the plan, pools and outputs are those of one pass."""
+    L = cache.SCOPE + 2
+    model = tiny_model(n_layers=L)
+    lens, max_new = [30, 21], 12
+    prompts = prompts_of(lens, seed=7)
+    flags = random_flags(256, 3)
+    method = Method(menu(), kv_budget=0.5, rows=5, weigh_values=weigh_values)
+    sizes, passes = [], []
+    monkeypatch.setattr(cache, "decide", lambda cs, decide=cache.decide: (
+        sizes.append(len(cs)), decide(cs))[1])
+    monkeypatch.setattr(cache, "attention_sums", lambda *a, f=cache.attention_sums: (
+        passes.append(len(a[0])), f(*a))[1])
+
+    def run(held_bytes=None, alone=False):
+        caches = fastgen_caches(model, method, lens, max_new, flags)
+        if alone:
+            for c in caches:
+                c.pending = cache.Pending(1)
+        sizes.clear()
+        passes.clear()
+        if held_bytes is not None:
+            a, B, T = model.args, len(lens), max(lens)
+            layer = B * a.head_dim * 4 * (2 * T * a.n_kv_heads
+                                          + (T - caches[0].first_row) * a.n_heads)
+            monkeypatch.setattr(cache, "HELD_BYTES", layer * held_bytes)
+        logits = greedy(model, prompts, caches, max_new)
+        return caches, logits, list(sizes), list(passes)
+
+    alone, _, decided, _ = run(alone=True)
+    assert decided == [1] * L
+    once, logits, decided, _ = run()
+    assert decided == [cache.SCOPE, L - cache.SCOPE]
+    caches, got, decided, profiled = run(held_bytes=per)
+    assert decided == [cache.SCOPE, L - cache.SCOPE]
+    B = len(lens)
+    assert profiled == [B * min(per, n - i) for n in decided for i in range(0, n, per)]
+    assert len({repr(p) for c in once for p in c.plan()}) > 1  # the heads differ
+    for a, b, c in zip(alone, once, caches):
+        torch.testing.assert_close(b.recovery, a.recovery, atol=1e-6, rtol=0)
+        torch.testing.assert_close(c.recovery, b.recovery, atol=1e-6, rtol=0)
+        assert torch.equal(b.choice, c.choice)
+        for name in (*b.pool.fields, "owner"):
+            assert torch.equal(getattr(b.pool, name), getattr(c.pool, name)), name
+    torch.testing.assert_close(got, logits, atol=1e-5, rtol=0)
+    model.setup_caches(None)
+
+
 # --- Full() is the dense cache ----------------------------------------------
 
 def test_full_everywhere_matches_the_dense_cache():
@@ -438,7 +422,7 @@ def test_full_everywhere_matches_the_dense_cache():
     lens, max_new = [9, 16], 12
     prompts = prompts_of(lens, seed=3)
     dense = [KVCache(2, a.n_kv_heads, max(lens) + max_new, a.head_dim) for _ in model.layers]
-    full = fastgen_caches(model, [Full()], lens, max_new, random_flags(256, 0), threshold=0.0)
+    full = fastgen_caches(model, Method([Full()]), lens, max_new, random_flags(256, 0))
     expected = greedy(model, prompts, dense, max_new)
     got = greedy(model, prompts, full, max_new)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -446,12 +430,39 @@ def test_full_everywhere_matches_the_dense_cache():
     assert all(c.kept() == a.n_kv_heads * sum(n + max_new - 1 for n in lens) for c in full)
 
 
+def test_cache_options_run_the_core_s_methods():
+    """make_caches: fastgen is the default method (the menu under a budget,
+    the last 32 rows, a span of 16, values weighed), --paper the paper's
+    (the shortlist under a threshold, every row, eviction after every
+    token), any other kind one fixed policy; full in 16 bits or the model's
+    dtype is the dense cache, in fewer bits a compressed one that keeps all."""
+    model, lens = tiny_model(), [20, 12]
+    caches = lambda options: make_caches(model, options, lens, 4)  # noqa: E731
+    method = lambda options: caches(options)[0].method  # noqa: E731
+    default = method(CacheOptions("fastgen"))
+    assert default == cache.default_method(0.5)
+    assert (default.policies, default.kv_budget) == (tuple(menu(by="mean")), 0.5)
+    assert (default.rows, default.span, default.weigh_values) == (32, 16, True)
+    assert method(CacheOptions("fastgen", kv_budget=0.3, kv_bits=(16, 4))) == \
+        cache.default_method(0.3, (16, 4))
+    paper = caches(CacheOptions("fastgen", paper=True))
+    assert paper[0].method == cache.paper_method(0.95) and paper[0].evict_every == 1
+    assert (paper[0].policies, paper[0].method.rows) == (shortlist(), None)
+    assert method(CacheOptions("fastgen", paper=True, recovery=0.8)).recovery == 0.8
+    for kind in ("local", "h2o", "snapkv"):
+        assert method(CacheOptions(kind, kv_budget=0.3)) == cache.fixed_method(kind, 0.3)
+    assert method(CacheOptions("full", kv_bits=(4,))) == Method([Full()], [4], rows=1)
+    assert isinstance(caches(CacheOptions("full", kv_bits=(16,)))[0], KVCache)
+    with pytest.raises(ValueError, match="add --paper"):
+        CacheOptions("fastgen", recovery=0.9).check()
+
+
 def test_threshold_one_makes_every_head_full():
     model = tiny_model()
     prompts = prompts_of([9, 16], seed=4)
     flags = random_flags(256, 0)
     dense = generate(model, prompts, 12)
-    gen = generate(model, prompts, 12, cache=CacheOptions("fastgen", recovery=1.0),
+    gen = generate(model, prompts, 12, cache=CacheOptions("fastgen", paper=True, recovery=1.0),
                    token_flags=flags)
     assert all(p == "Full" for layer in gen.plan for p in layer)
     assert len(gen.plan) == model.args.n_layers
@@ -480,8 +491,8 @@ def test_reported_compression_is_what_the_tensors_hold():
     model = tiny_model()
     lens, max_new = [30, 22], 16
     flags = random_flags(256, 2)
-    caches = [CheckedCache(c) for c in fastgen_caches(model, shortlist(), lens, max_new,
-                                                       flags, threshold=0.8)]
+    caches = [CheckedCache(c) for c in fastgen_caches(model, Method(shortlist(), recovery=0.8),
+                                                       lens, max_new, flags)]
     greedy(model, prompts_of(lens, seed=5), caches, max_new)
     for c in caches:
         assert c.cache.kept() == sum(map(len, c.ref.kept.values()))
@@ -509,7 +520,8 @@ def test_bytes_shrink_as_the_threshold_goes_down():
     dense = dense_kv_bytes(model, 1, lens[0] + max_new)
     sizes, kept = [], []
     for threshold in (1.0, 0.95, 0.8, 0.5):
-        caches = fastgen_caches(model, shortlist(), lens, max_new, flags, threshold=threshold)
+        caches = fastgen_caches(model, Method(shortlist(), recovery=threshold), lens, max_new,
+                                flags)
         greedy(model, prompts, caches, max_new)
         sizes.append(sum(c.nbytes() for c in caches))
         kept.append(sum(c.kept() for c in caches))
@@ -555,26 +567,30 @@ def test_decode_compiles_once_without_graph_breaks(kv, decode_attention):
     lens, max_new = [9, 14], 6
     prompts = prompts_of(lens, seed=7)
     flags = random_flags(256, 0)
-    # At 0.75 each layer of this model has two groups, one with Local, both with
-    # Frequent (with attention alone: weighing values, a prefill matter, moves the plan).
-    options = CacheOptions(kv, recovery=0.75, span=1, weigh_values=False)
-    caches = make_caches(model, options, lens, max_new, flags)
-    expected = greedy(model, prompts, caches, max_new).argmax(-1)
+    # The shortlist at 0.75, heavy hitters by mean attention on the last 32 rows:
+    # each layer of this model has two groups, one with Local, both with Frequent.
+    method = Method(shortlist(by="mean"), recovery=0.75, rows=32)
+
+    def caches():
+        if kv == "full":
+            return make_caches(model, CacheOptions("full"), lens, max_new, flags)
+        return fastgen_caches(model, method, lens, max_new, flags)
+
+    eager = caches()
+    expected = greedy(model, prompts, eager, max_new).argmax(-1)
     if kv == "fastgen":
-        assert all(len(c.pool.groups) == 2 for c in caches)
+        assert all(len(c.pool.groups) == 2 for c in eager)
     step, counters = fresh_compile()
     with torch.no_grad():
-        model.setup_caches(make_caches(model, options, lens, max_new, flags))
+        model.setup_caches(caches())
         cur, lens_t = first_token(model, prompts)
         out = [cur]
-        for c in model.caches():
-            c.reserve()
+        reserve(model.caches())
         cur = step(model, cur, lens_t[:, None])  # compiles
         out.append(cur)
         with torch._dynamo.config.patch(error_on_recompile=True):
             for i in range(1, max_new - 1):
-                for c in model.caches():
-                    c.reserve()
+                reserve(model.caches())
                 cur = step(model, cur, lens_t[:, None] + i)
                 out.append(cur)
         model.setup_caches(None)
@@ -595,7 +611,8 @@ def test_a_plain_loop_without_reserve_is_still_right():
     flags = random_flags(256, 4)
 
     def caches():
-        return fastgen_caches(model, [baseline("h2o", 0.3)], lens, max_new, flags, evict_every=3)
+        return fastgen_caches(model, Method([baseline("h2o", 0.3)], evict_every=3), lens, max_new,
+                              flags)
 
     expected = greedy(model, prompts, caches(), max_new)
     model.setup_caches(caches())
@@ -612,9 +629,9 @@ def test_a_plain_loop_without_reserve_is_still_right():
     step, _ = fresh_compile()
     model.setup_caches(caches())
     cur, lens_t = first_token(model, prompts)
-    cache.reserve(model.caches())
+    reserve(model.caches())
     cur = step(model, cur, lens_t[:, None])  # with its reservation: runs
-    with pytest.raises(Exception, match=r"cache\.reserve\(model\.caches\(\)\)"):
+    with pytest.raises(Exception, match=r"call reserve\(model\.caches\(\)\)"):
         step(model, cur, lens_t[:, None] + 1)
     model.setup_caches(None)
     torch._dynamo.reset()
@@ -641,11 +658,11 @@ def test_groups_grow_with_what_they_hold_and_compile_once():
     model = tiny_model()
     lens, max_new = [9, 14], 60
     prompts = prompts_of(lens, seed=7)
-    options = dict(page=4, evict_every=3)
-    expected = greedy(model, prompts, fastgen_caches(model, [Full()], lens, max_new, None,
-                                                     **options), max_new).argmax(-1)
+    method = Method([Full()], evict_every=3)
+    expected = greedy(model, prompts, fastgen_caches(model, method, lens, max_new, page=4),
+                      max_new).argmax(-1)
     step, counters = fresh_compile()
-    caches = fastgen_caches(model, [Full()], lens, max_new, None, **options)
+    caches = fastgen_caches(model, method, lens, max_new, page=4)
     compiled_at, grew_at = [], []
     with torch.no_grad():
         model.setup_caches(caches)
@@ -653,8 +670,7 @@ def test_groups_grow_with_what_they_hold_and_compile_once():
         out = [cur]
         for i in range(max_new - 1):
             growths = sum(c.growths() for c in caches)
-            for c in caches:
-                c.reserve()
+            reserve(caches)
             if sum(c.growths() for c in caches) > growths:
                 grew_at.append(i)
             graphs = counters["stats"]["unique_graphs"]
@@ -697,19 +713,19 @@ def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, monkeypat
     B, T = tokens.shape
     positions = torch.arange(T).expand(B, T)
     dense = [KVCache(B, a.n_kv_heads, T + max_new, a.head_dim) for _ in model.layers]
-    full = fastgen_caches(model, [Full()], lens_t.clamp(max=first), max_new, None, threshold=0.0)
+    full = fastgen_caches(model, Method([Full()]), lens_t.clamp(max=first), max_new)
     runs = []
     for caches in (dense, full):
         model.setup_caches(caches)
         out = [model(tokens[:, :first], positions[:, :first])]
         for s in range(first, T, chunk):
             counts = (lens_t - s).clamp(0, chunk)
-            cache.reserve(caches, counts)
+            reserve(caches, counts)
             out.append(model(tokens[:, s:s + chunk], positions[:, s:s + chunk]))
         logits = torch.cat(out, 1)
         step = [logits[torch.arange(B), lens_t - 1]]
         for i in range(max_new - 1):
-            cache.reserve(caches)
+            reserve(caches)
             step.append(model(step[-1].argmax(-1)[:, None], lens_t[:, None] + i)[:, 0])
         mask = torch.arange(T) < lens_t[:, None]  # padding's logits are nobody's
         runs.append((logits[mask], torch.stack(step, 1)))
@@ -722,8 +738,8 @@ def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, monkeypat
 @pytest.mark.parametrize("rows", [4, 12])
 @torch.no_grad()
 def test_a_chunk_chooses_again_as_a_prompt_would(rows):
-    """With `rechoose`, a chunk chooses every head's policy again from its last
-    rows over what the head holds. A cache that held everything (Full, chosen
+    """A chunk chooses every head's policy again from its last rows over what
+    the head holds. A cache that held everything (Full, chosen
     at threshold 1 on the first piece) then chooses on a chunk as profiling
     the whole prompt in one call chooses: the same recoveries of the policies
     that rank no scores, and the same plan."""
@@ -733,26 +749,45 @@ def test_a_chunk_chooses_again_as_a_prompt_would(rows):
     flags = random_flags(256, 4)
     policies = [Special(), Special() | Punct(), Special() | Punct() | Local(0.3), Local(0.5),
                 Full()]
-    one_call = fastgen_caches(model, policies, lens, 4, flags, threshold=0.58, rows=rows)
+    method = Method(policies, recovery=0.58, rows=rows)
+    one_call = fastgen_caches(model, method, lens, 4, flags)
     model.setup_caches(one_call)
     model(tokens, torch.arange(21).expand(2, 21))
-    chunked = fastgen_caches(model, policies, [first] * 2, 4, flags, threshold=1.0, rows=rows,
-                             rechoose=True)
+    chunked = fastgen_caches(model, replace(method, recovery=1.0), [first] * 2, 4, flags)
     model.setup_caches(chunked)
     model(tokens[:, :first], torch.arange(first).expand(2, first))
     assert all(p == Full() for c in chunked for p in c.plan())
     for c in chunked:
-        c.threshold = 0.58
-    cache.reserve(chunked, 21 - first)
+        c.method = method
+    reserve(chunked, 21 - first)
     model(tokens[:, first:], torch.arange(first, 21).expand(2, 21 - first))
     model.setup_caches(None)
     for a, b in zip(one_call, chunked):
         torch.testing.assert_close(b.recovery, a.recovery, atol=1e-5, rtol=0)
         assert torch.equal(a.choice, b.choice)
     assert any(p != Full() for c in chunked for p in c.plan())  # no longer Full everywhere
-    cache.reserve(chunked)  # the chunk's eviction follows the new plan
+    reserve(chunked)  # the chunk's eviction follows the new plan
     for a, b in zip(one_call, chunked):
         assert a.kept() == b.kept()
+
+
+@pytest.mark.parametrize("method", [
+    Method(shortlist(0.2, 0.2), recovery=0.6),  # every row read
+    Method(shortlist(0.2, 0.2), recovery=0.8, rows=4),
+    Method(menu(), kv_budget=0.4, rows=6, span=4, weigh_values=True),  # the default's options
+], ids=["threshold", "threshold-rows", "budget"])
+def test_chunks_choose_again_as_the_reference_does(method, decode_attention):
+    """Each chunk that every sequence takes whole (not the one with padding)
+    chooses every head's policy again, from its last rows' attention over what
+    the head holds: the same recoveries and plan as the reference's, which the
+    next eviction then follows."""
+    chunks = [[1, 1], [6, 6], [1, 1], [4, 2], [5, 5], [1, 1]]
+    stream = torch.randint(0, 32, (2, 60), generator=torch.Generator().manual_seed(21))
+    checked = drive(method, stream, [12, 20], 6, 2, 30, random_flags(32, 21), seed=21,
+                    chunks=chunks)
+    assert checked.ref.rechosen == 2
+    assert checked.cache.choice.tolist() != checked.ref.prompt_choice  # the plan moved
+    assert checked.ref.dropped > 0
 
 
 def test_a_span_carries_a_score_to_the_tokens_after_it():
@@ -795,12 +830,13 @@ def test_a_cache_weighs_values_as_profiling_says(same_norms):
     flags = random_flags(50, 1)
 
     def build(weigh_values):
-        c = FastGenCache(menu(), lens, 4, K, flags, budget=0.5, rows=6, weigh_values=weigh_values)
+        method = Method(menu(), kv_budget=0.5, rows=6, weigh_values=weigh_values)
+        c = FastGenCache(method, lens, 4, K, flags)
         c(q, k, v, torch.arange(T).expand(B, T), tokens)
         return c
     plain, weighed = build(False), build(True)
     sums = attention_sums(q, k, lens, local_ratios(menu()), 6)
-    _, want = plain.from_sums(weigh(sums, v), tokens, plain.sink)
+    _, want = plain.from_sums(weigh(sums, v), tokens)
     torch.testing.assert_close(weighed.recovery, want, atol=1e-5, rtol=0)
     if same_norms:
         torch.testing.assert_close(weighed.recovery, plain.recovery, atol=1e-5, rtol=0)

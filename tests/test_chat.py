@@ -45,9 +45,9 @@ def chat(tiny_ckpt, kv, **options):
 
 
 def test_compressed_cache_keeping_everything_equals_the_full_cache(tiny_ckpt):
-    """recovery 1: every head Full, so a compressed cache taking each turn in chunks must
-    give what the full cache gives."""
-    full, fast = chat(tiny_ckpt, "full"), chat(tiny_ckpt, "fastgen", recovery=1.0)
+    """The paper's threshold at 1: every head Full, so a compressed cache taking each turn
+    in chunks (each choosing again, Full again) must give what the full cache gives."""
+    full, fast = chat(tiny_ckpt, "full"), chat(tiny_ckpt, "fastgen", paper=True, recovery=1.0)
     for text in ["Hello, world", "The quick brown fox", "def f(x): return x + 1"]:
         a, b = full.turn(text), fast.turn(text)
         assert a.fed == b.fed and a.tokens == b.tokens and b.kept_tokens == b.seen_tokens

@@ -22,7 +22,7 @@ def test_golden_greedy_output(tiny_ckpt):
 def test_same_tokens_plan_and_bytes_as_the_cpu(tiny_ckpt, kv):
     # float32 on both: the few-ulp differences of the GPU's kernels do not flip a greedy
     # token or a policy choice of this model (were one to, the tokens would say where).
-    kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=8, kv=kv)
+    kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=8, cache=CacheOptions(kv))
     cpu, gpu = main(PROMPTS, **kw), main(PROMPTS, device=DEVICE, **kw)
     assert (gpu.tokens, gpu.plan, gpu.kv_bytes) == (cpu.tokens, cpu.plan, cpu.kv_bytes)
 
@@ -41,6 +41,6 @@ def test_compiled_decode_equals_eager(tiny_ckpt, kv, mode):
 
 @pytest.mark.parametrize("kv", ["full", "fastgen"])
 def test_bfloat16_runs(tiny_ckpt, kv):
-    gen = main(PROMPTS, ckpt=str(tiny_ckpt), max_new_tokens=8, kv=kv, device=DEVICE,
-               dtype="bfloat16")
+    gen = main(PROMPTS, ckpt=str(tiny_ckpt), max_new_tokens=8, cache=CacheOptions(kv),
+               device=DEVICE, dtype="bfloat16")
     assert all(1 <= len(t) <= 8 for t in gen.tokens) and gen.kv_bytes > 0

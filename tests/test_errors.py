@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 import generate
 import generation
 from generate import cli, main
+from generation import CacheOptions
 from model import CheckpointError, load_model
 
 
@@ -101,8 +102,9 @@ def test_out_of_memory_says_how_big_and_what_to_lower(tiny_ckpt, capsys, monkeyp
 
 def test_full_and_fastgen_at_recovery_1_give_the_same_tokens(tiny_ckpt):
     prompts = ["Hello, world! How are you?", "The quick brown fox jumps over the lazy dog."]
-    full = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10, kv="full")
-    fast = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10, kv="fastgen", recovery=1.0)
+    full = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10, cache=CacheOptions("full"))
+    fast = main(prompts, ckpt=str(tiny_ckpt), max_new_tokens=10,
+                cache=CacheOptions("fastgen", paper=True, recovery=1.0))
     assert full.tokens == fast.tokens
 
 

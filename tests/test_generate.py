@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from generate import cli, main
+from generation import CacheOptions
 from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,9 @@ def run_cli(*args):
 def test_golden_greedy_output(tiny_ckpt):
     gen = main("Hello, world", ckpt=str(tiny_ckpt), max_new_tokens=12)
     assert gen.tokens == [GOLDEN]
+    # The full cache has no plan, keeps no count of tokens and says so.
+    assert gen.plan == [] and gen.kept_tokens == gen.seen_tokens == 0
+    assert "KV cache allocated" in gen.summary() and "policy count" not in gen.summary()
 
 
 def test_cli_end_to_end(tiny_ckpt):
@@ -51,16 +55,15 @@ def test_batch_equals_each_prompt_alone(tiny_ckpt):
 def test_a_prompt_read_in_chunks(tiny_ckpt):
     """--prefill-chunk: the full cache gives the same tokens, prompts of
     different lengths in one batch; a compressed cache reads the prompt in
-    pieces and holds about its share of it (more where its heads' policies
-    keep more of the chunks after the first than the first promised)."""
+    pieces, each chunk choosing its heads' policies again, and holds about
+    its share of it."""
     prompts = ["Hello, world", "The quick brown fox jumps over the lazy dog. " * 4]
     kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=8)
-    assert main(prompts, prefill_chunk=7, **kw).tokens == main(prompts, **kw).tokens
-    for rechoose in (False, True):
-        gen = main(prompts, kv="fastgen", kv_budget=0.5, prefill_chunk=16, rechoose=rechoose,
-                   **kw)
-        assert 0.3 < gen.kept_tokens / gen.seen_tokens < 0.75
-        assert gen.kv_bytes < gen.full_kv_bytes
+    assert (main(prompts, cache=CacheOptions(prefill_chunk=7), **kw).tokens
+            == main(prompts, **kw).tokens)
+    gen = main(prompts, cache=CacheOptions("fastgen", kv_budget=0.5, prefill_chunk=16), **kw)
+    assert 0.3 < gen.kept_tokens / gen.seen_tokens < 0.75
+    assert gen.kv_bytes < gen.full_kv_bytes
 
 
 def test_same_seed_same_sample(tiny_ckpt):
@@ -76,12 +79,15 @@ def test_same_seed_same_sample(tiny_ckpt):
     (["--prompt", "hi", "--max-new-tokens", "100000"], 2, "context"),
     (["--prompt", "hi", "--device", "cuda"], 2, "--device"),
     (["--prompt", "hi", "--kv", "nope"], 2, "--kv"),
-    (["--prompt", "hi", "--kv", "fastgen", "--recovery", "0.9", "--kv-budget", "0.5"], 2,
-     "give one of them"),
-    (["--prompt", "hi", "--kv", "fastgen", "--obs-window", "-1"], 2, "--obs-window"),
+    (["--prompt", "hi", "--kv", "fastgen", "--recovery", "0.9"], 2, "add --paper"),
+    (["--prompt", "hi", "--kv", "h2o", "--paper"], 2, "add --kv fastgen"),
+    (["--prompt", "hi", "--kv", "fastgen", "--paper", "--recovery", "0.9", "--kv-budget", "0.5"],
+     2, "--kv-budget is the default FastGen's"),
     (["--prompt", "hi", "--prefill-chunk", "0"], 2, "--prefill-chunk"),
     (["--prompt", "hi", "--kv", "h2o", "--kv-bits", "3"], 2, "--kv-bits"),
-    (["--prompt", "hi", "--kv", "h2o", "--kv-bits", "16,8"], 2, "budget mode"),
+    (["--prompt", "hi", "--kv", "h2o", "--kv-bits", "16,8"], 2, "menu of precisions"),
+    (["--prompt", "hi", "--kv", "fastgen", "--paper", "--kv-bits", "16,8"], 2,
+     "menu of precisions"),
     (["--prompt", "hi", "--kv", "fastgen", "--kv-bits", "eight"], 2, "--kv-bits"),
 ])
 def test_cli_usage_errors(tiny_ckpt, capsys, args, status, words):
@@ -93,6 +99,21 @@ def test_cli_usage_errors(tiny_ckpt, capsys, args, status, words):
         assert cli(["--ckpt", str(tiny_ckpt), *args]) == status
     err = capsys.readouterr().err
     assert words in err and err.count("\n") <= 2
+
+
+@pytest.mark.parametrize("flag", [
+    ["--obs-window", "0"], ["--span", "1"], ["--hh-rows", "every"], ["--hh-score", "sum"],
+    ["--sink-mass", "drop"], ["--weigh-values"], ["--no-weigh-values"], ["--rechoose"],
+    ["--no-rechoose"], ["--budget-scope", "layer"], ["--objective", "linear"],
+    ["--evict-every", "1"], ["--r-local", "0.3"], ["--r-frequent", "0.3"]])
+def test_removed_cache_flags_are_refused(tiny_ckpt, capsys, flag):
+    """The cache flags of the variants the core no longer runs are no flags:
+    argparse refuses them in one line, before anything is loaded."""
+    with pytest.raises(SystemExit) as e:
+        cli(["--ckpt", str(tiny_ckpt), "--prompt", "hi", "--kv", "fastgen", *flag])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and flag[0] in err and err.count("\n") == 1
 
 
 def test_cli_missing_checkpoint(tmp_path, capsys):
@@ -126,11 +147,14 @@ def test_sentencepiece_round_trip(tmp_path):
 
 
 def test_fastgen_modes(tiny_ckpt):
-    """Without --recovery, FastGen runs the budget mode over the menu; with it, or
-    with --paper, the shortlist under the threshold."""
+    """FastGen runs the budget mode over the menu (heavy hitters by mean
+    attention); with --paper, the paper's shortlist under the threshold
+    (heavy hitters by summed attention)."""
     from policies import menu, shortlist
-    kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=4, kv="fastgen")
+    kw = dict(ckpt=str(tiny_ckpt), max_new_tokens=4)
     names = lambda g: {p for layer in g.plan for p in layer}  # noqa: E731
-    assert names(main("Hello there", **kw)) <= {repr(p) for p in menu()}
-    assert names(main("Hello there", recovery=0.9, **kw)) <= {repr(p) for p in shortlist(by="mean")}
-    assert names(main("Hello there", paper=True, **kw)) <= {repr(p) for p in shortlist()}
+    assert names(main("Hello there", cache=CacheOptions("fastgen"), **kw)) <= {
+        repr(p) for p in menu()}
+    for recovery in (None, 0.9):
+        paper = CacheOptions("fastgen", paper=True, recovery=recovery)
+        assert names(main("Hello there", cache=paper, **kw)) <= {repr(p) for p in shortlist()}

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from model import KVCache, ModelArgs, Transformer, load_model
+from model import Cache, KVCache, ModelArgs, Transformer, load_model, reserve
 
 CONFIGS = {
     "multi-head": dict(num_key_value_heads=4),
@@ -33,14 +33,18 @@ def attach_dense(model, batch, max_len):
 
 
 def test_cached_decode_equals_full_forward():
+    """The dense cache, reserved before each step as every cache is (`reserve`,
+    which it needs not: it was sized up front)."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny()).eval()
     tokens = torch.randint(0, 256, (1, 24))
     with torch.no_grad():
         full = model(tokens, torch.arange(24)[None])
         attach_dense(model, 1, 32)
+        assert all(isinstance(c, Cache) for c in model.caches())
         steps = [model(tokens[:, :10], torch.arange(10)[None])]
         for t in range(10, 24):
+            reserve(model.caches())
             steps.append(model(tokens[:, t:t + 1], torch.tensor([[t]])))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 

@@ -191,6 +191,23 @@ def test_menu_holds_the_shortlist_and_every_baseline_shape():
     assert len(m) == len(set(m))
 
 
+def test_what_a_cache_asks_of_a_policy():
+    """The attributes a cache reads instead of a policy's class, of a union
+    from its members: whether it ever evicts, keeps everything, reads the
+    latest attention, the prompt rows its ranking reads, its window's share."""
+    tova, snap, heavy = TOVA(0.3), SnapKV(0.3, window=8), Frequent(0.3)
+    assert Full().keeps_all and Full().never_evicts and (Special() | Full()).keeps_all
+    assert snap.never_evicts and not snap.keeps_all and (Punct() | snap).never_evicts
+    assert not any(p.keeps_all or p.never_evicts for p in shortlist()[:-1])
+    assert tova.reads_last and (Special() | tova).reads_last and not heavy.reads_last
+    assert [p.rows for p in (Special(), Local(0.3), Sink(4), tova, heavy, snap)] == [
+        1, 1, 1, 1, None, 8]
+    assert (Sink(4) | Local(0.3)).rows == 1 and (Local(0.3) | snap).rows == 8
+    assert (snap | heavy).rows is None and baseline("h2o", 0.4).rows is None
+    assert Local(0.3).band == 0.3 and [m.band for m in baseline("h2o", 0.4).members()] == [None, 0.2]
+    assert all(p.band is None for p in (Special(), Punct(), Sink(4), tova, heavy, snap, Full()))
+
+
 # --- Flags, shortlist, baselines ------------------------------------------------
 
 def test_token_flags_table():

@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache import fastgen_caches
+from cache import Method, fastgen_caches
 from model import ModelArgs, Transformer
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       shortlist, token_flags)
@@ -26,9 +26,10 @@ SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
 @st.composite
 def policy_lists(draw):
     """A shortlist, a single fixed policy (the baselines), or a random mix, under
-    a threshold or a budget; profiling over all rows or a window, with or
-    without the sink's mass; eviction every step or every few, pages of one
-    slot or many. Returns (policies, options for FastGenCache)."""
+    a threshold or a budget; profiling over all rows or a window, each token
+    scored on its own or over a span, attention counted alone or times the
+    values' norms; eviction every step or every few, pages of one slot or
+    many. Returns (a cache.Method, the page for FastGenCache)."""
     r_local = draw(st.sampled_from([0.1, 0.15, 0.2, 0.3, 0.5]))
     r_frequent = draw(st.sampled_from([0.1, 0.2, 0.3, 0.5]))
     by = draw(st.sampled_from(["sum", "mean"]))
@@ -37,20 +38,22 @@ def policy_lists(draw):
             Sink(sink) | Local(r_local), Frequent(r_frequent, by) | Local(r_local),
             TOVA(r_frequent), SnapKV(round(r_local + 0.2, 2), window=sink, kernel=3), Local(r_frequent),
             *shortlist(r_local, r_frequent, by)[1:4]]
-    options = dict(rows=draw(st.sampled_from([None, 1, 3, 8])), sink=draw(st.booleans()),
-                   evict_every=draw(st.sampled_from([1, 2, 5, 8, None])), page=draw(st.sampled_from([1, 3, 16])))
+    options = dict(rows=draw(st.sampled_from([None, 1, 3, 8])),
+                   span=draw(st.sampled_from([1, 1, 2, 5])), weigh_values=draw(st.booleans()),
+                   evict_every=draw(st.sampled_from([1, 2, 5, 8, None])))
+    page = draw(st.sampled_from([1, 3, 16]))
     kind = draw(st.sampled_from(["shortlist", "fixed", "mix"]))
     if kind == "shortlist":
         policies = shortlist(r_local, r_frequent, by)
     elif kind == "fixed":
-        return [draw(st.sampled_from(pool))], options
+        return Method([draw(st.sampled_from(pool))], **options), page
     else:
         policies = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=5, unique=True))
     if draw(st.booleans()):
-        options["budget"] = draw(st.sampled_from([0.1, 0.3, 0.5, 0.8]))
+        options["kv_budget"] = draw(st.sampled_from([0.1, 0.3, 0.5, 0.8]))
     else:
-        options["threshold"] = draw(st.sampled_from([0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0]))
-    return policies, options
+        options["recovery"] = draw(st.sampled_from([0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0]))
+    return Method(policies, **options), page
 
 
 @st.composite
@@ -65,8 +68,8 @@ def runs(draw):
     token = st.sampled_from([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7])
     stream = torch.tensor(draw(st.lists(st.lists(token, min_size=width, max_size=width),
                                         min_size=B, max_size=B)))
-    policies, options = draw(policy_lists())
-    return dict(policies=policies, options=options, stream=stream, lens=lens,
+    method, page = draw(policy_lists())
+    return dict(method=method, page=page, stream=stream, lens=lens,
                 n_heads=n_heads, n_kv_heads=n_kv_heads, max_new_tokens=max_new_tokens,
                 seed=draw(st.integers(0, 2**16)), scale=draw(st.sampled_from([0.5, 1.5, 3.0])))
 
@@ -74,10 +77,9 @@ def runs(draw):
 @SETTINGS
 @given(runs())
 def test_cache_agrees_with_reference_at_every_step(run):
-    options = dict(run["options"])
-    checked = drive(run["policies"], options.pop("threshold", 1.0), run["stream"], run["lens"],
-                    run["n_heads"], run["n_kv_heads"], run["max_new_tokens"], FLAGS,
-                    seed=run["seed"], scale=run["scale"], **options)
+    checked = drive(run["method"], run["stream"], run["lens"], run["n_heads"], run["n_kv_heads"],
+                    run["max_new_tokens"], FLAGS, seed=run["seed"], scale=run["scale"],
+                    page=run["page"])
     assert checked.steps == run["max_new_tokens"] - 1
     cache = checked.cache
     assert cache.kept() == sum(map(len, checked.ref.kept.values()))
@@ -91,11 +93,11 @@ def test_cache_agrees_with_reference_at_every_step(run):
        max_new_tokens=st.integers(2, 24), policies=policy_lists(), seed=st.integers(0, 2**16))
 def test_model_caches_agree_with_reference(n_kv_heads, lens, max_new_tokens, policies, seed):
     """Through the tiny model: real projections, positions and token ids."""
-    policies, options = policies
+    method, page = policies
     torch.manual_seed(seed)
     model = Transformer(ModelArgs.tiny(n_kv_heads=n_kv_heads, vocab_size=8)).eval()
-    caches = [CheckedCache(c) for c in fastgen_caches(model, policies, lens,
-                                                       max_new_tokens, FLAGS, **options)]
+    caches = [CheckedCache(c) for c in fastgen_caches(model, method, lens, max_new_tokens, FLAGS,
+                                                       page=page)]
     model.setup_caches(caches)
     B, T = len(lens), max(lens)
     tokens = torch.randint(0, 8, (B, T))
@@ -116,7 +118,6 @@ def test_chunks_agree_with_reference(run, data):
     fewer than others (the rest padding): the cache holds what the reference
     holds having taken the tokens one by one with eviction deferred to the
     chunk's end, with the same scores and outputs, at every step."""
-    options = dict(run["options"])
     B = len(run["lens"])
     sizes = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=5))
     ragged = data.draw(st.booleans())
@@ -125,9 +126,9 @@ def test_chunks_agree_with_reference(run, data):
     chunks.append([1] * B)  # a decode step: the last chunk's eviction checked too
     width = max(run["lens"]) + sum(map(max, chunks))
     stream = torch.randint(0, 8, (B, width), generator=torch.Generator().manual_seed(run["seed"]))
-    checked = drive(run["policies"], options.pop("threshold", 1.0), stream, run["lens"],
-                    run["n_heads"], run["n_kv_heads"], run["max_new_tokens"], FLAGS,
-                    seed=run["seed"], scale=run["scale"], chunks=chunks, **options)
+    checked = drive(run["method"], stream, run["lens"], run["n_heads"], run["n_kv_heads"],
+                    run["max_new_tokens"], FLAGS, seed=run["seed"], scale=run["scale"],
+                    chunks=chunks, page=run["page"])
     read = [n + sum(c[b] for c in chunks[:-1] if c != [1] * B) for b, n in enumerate(run["lens"])]
     assert checked.cache.seg_prompt_len.tolist() == [n for n in read
                                                      for _ in range(run["n_kv_heads"])]

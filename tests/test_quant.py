@@ -3,13 +3,16 @@ reported, every precision's cache against the rounded reference, and the
 budget's choice of precision."""
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+import cache as cache_module
 import pool
-from cache import fastgen_caches
+from cache import Method, fastgen_caches
 from generation import CacheOptions, generate, make_caches
+from model import reserve
 from policies import Frequent, Full, Local, Special, baseline
 from profiling import fit_budget, precision_errors
 from quant import GROUP, channel_factors, dequantize, pack, quantize, token_bytes, unpack
@@ -78,13 +81,12 @@ def test_precision_errors_equal_brute_force():
 
 MENU = [Special() | Local(0.2), Frequent(0.2) | Local(0.2), baseline("tova", 0.3), Full()]
 BITS_CASES = {
-    # name: (policies, bits, options)
-    "menu 16/8/4": ([p for _ in range(3) for p in MENU], [b for b in (16, 8, 4) for _ in MENU],
-                    dict(budget=0.4)),
-    "h2o at 4": ([baseline("h2o", 0.4)], [4], {}),
-    "full at 8": ([Full()], [8], {}),
-    "full at 16": ([Full()], [16], {}),
-    "local at 2": ([Local(0.3)], [2], {}),
+    "menu 16/8/4": Method([p for _ in range(3) for p in MENU],
+                          [b for b in (16, 8, 4) for _ in MENU], kv_budget=0.3),
+    "h2o at 4": Method([baseline("h2o", 0.4)], [4]),
+    "full at 8": Method([Full()], [8]),
+    "full at 16": Method([Full()], [16]),
+    "local at 2": Method([Local(0.3)], [2]),
 }
 
 
@@ -93,30 +95,48 @@ BITS_CASES = {
 def test_cache_at_every_precision_equals_the_rounded_reference(name, lens, n_heads, n_kv_heads):
     """Every step's output equals the reference's, which rounds each segment's
     keys and values at its policy's precision, and holds the same tokens."""
-    policies, bits, options = BITS_CASES[name]
+    method = BITS_CASES[name]
     seed = len(lens) * 10 + n_kv_heads
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, 32, (len(lens), max(lens) + 30), generator=g)
     flags = random_flags(32, seed, special=0.1, punct=0.25)
-    checked = drive(policies, 0.0, stream, lens, n_heads, n_kv_heads, 31, flags, seed=seed,
-                    head_dim=64, bits=bits, **options)
+    checked = drive(method, stream, lens, n_heads, n_kv_heads, 31, flags, seed=seed, head_dim=64)
     assert checked.steps == 30
     cache = checked.cache
-    if len(set(bits)) > 1 and n_kv_heads > 1:  # (a sequence's one head takes one)
+    if len(set(method.kv_bits)) > 1 and n_kv_heads > 1:  # (a sequence's one head takes one)
         assert len(cache.pool.parts) > 1  # the budget took several precisions
     for g in cache.pool.groups:
         assert all(cache.bits[i] == g.bits for i in cache.choice[g.seg].tolist())
 
 
-@pytest.mark.parametrize("chunks", [[[1, 1], [5, 3], [1, 1], [4, 4], [1, 1]]])
-def test_chunks_choose_again_within_the_stored_precision(chunks):
-    policies, bits, _ = BITS_CASES["menu 16/8/4"]
+@pytest.mark.parametrize("chunks, chose", [([[1, 1], [5, 3], [1, 1], [4, 4], [1, 1]], 1),
+                                           ([[3, 3]] * 5 + [[1, 1]], 5)])
+def test_chunks_choose_again_within_the_stored_precision(chunks, chose):
+    """Every chunk that all sequences take whole chooses again (against the
+    reference; a chunk with padding does not): a segment's new policy is one
+    at the precision it holds."""
+    method = replace(BITS_CASES["menu 16/8/4"], rows=4)
     stream = torch.randint(0, 32, (2, 40), generator=torch.Generator().manual_seed(1))
-    checked = drive(policies, 0.0, stream, [12, 20], 6, 2, 20, random_flags(32, 1), seed=1,
-                    head_dim=64, bits=bits, budget=0.4, chunks=chunks, rechoose=True, rows=4)
+    checked = drive(method, stream, [12, 20], 6, 2, 20, random_flags(32, 1), seed=1,
+                    head_dim=64, chunks=chunks)
     cache = checked.cache
+    assert checked.ref.rechosen == chose
+    assert cache.choice.tolist() != checked.ref.prompt_choice  # the plan moved
     for g in cache.pool.groups:  # a segment's new policy is one at the precision it holds
         assert all(cache.bits[i] == g.bits for i in cache.choice[g.seg].tolist())
+
+
+def test_a_chunk_never_chooses_what_the_pool_cannot_run():
+    """A tight budget, a pool laid out without the latest attention (no TOVA
+    at the prompt): a chunk must not move a segment to TOVA, which would then
+    evict by a `last` the pool does not hold (the reference asserts that each
+    new policy was offered)."""
+    method = Method([p for _ in range(2) for p in MENU], [16] * 4 + [4] * 4, kv_budget=0.2,
+                    rows=4)
+    stream = torch.randint(0, 32, (2, 80), generator=torch.Generator().manual_seed(3))
+    checked = drive(method, stream, [12, 20], 4, 2, 20, random_flags(32, 3), seed=3,
+                    head_dim=64, chunks=[[1, 1], [8, 8], [1, 1], [12, 12], [1, 1]])
+    assert not checked.ref.has_last and checked.ref.rechosen == 2
 
 
 def test_full_at_16_bits_matches_the_dense_cache_in_16_bits():
@@ -128,7 +148,7 @@ def test_full_at_16_bits_matches_the_dense_cache_in_16_bits():
     prompts = prompts_of(lens, seed=3)
     dense = make_caches(model, CacheOptions("full", kv_bits=(16,)), lens, max_new)
     assert all(c.k.dtype == c.v.dtype == torch.float16 for c in dense)
-    full = fastgen_caches(model, [Full()], lens, max_new, random_flags(256, 0), bits=[16])
+    full = fastgen_caches(model, Method([Full()], [16]), lens, max_new, random_flags(256, 0))
     expected = greedy(model, prompts, dense, max_new)
     got = greedy(model, prompts, full, max_new)
     # The prompt attends at full precision in both; each decode step reads float16.
@@ -147,8 +167,9 @@ def test_bytes_held_are_those_reported_and_priced():
     budget pays."""
     model = tiny_model(head_dim=64, dim=128, n_heads=2, n_kv_heads=2)
     lens = [60, 45]
-    caches = fastgen_caches(model, [p for _ in range(3) for p in MENU], lens, 8,
-                            random_flags(256, 2), budget=0.3, bits=[16] * 4 + [8] * 4 + [4] * 4)
+    method = Method([p for _ in range(3) for p in MENU], [16] * 4 + [8] * 4 + [4] * 4,
+                    kv_budget=0.3)
+    caches = fastgen_caches(model, method, lens, 8, random_flags(256, 2))
     greedy(model, prompts_of(lens, seed=2), caches, 8)
     seen = set()
     for c in caches:
@@ -193,70 +214,79 @@ def test_a_budget_over_precisions_equals_brute_force(seed):
     assert got == pytest.approx(best[0], abs=1e-9)
 
 
-# --- A budget for the whole model ---------------------------------------------------
+# --- A budget shared by the heads of cache.SCOPE layers -------------------------------
 
-@torch.no_grad()
-def test_a_whole_model_budget_is_one_knapsack_per_sequence_over_every_layer(monkeypatch):
-    """Every layer decides at once, in one knapsack per sequence whose budget is
-    the sum of the layers'; the layers' shares then differ, and average within
-    the budget."""
-    import cache as cache_module
-    calls = []
-    real = cache_module.fit_budgets
-
-    def spy(values, costs, budgets, *args):
-        calls.append((values.shape, list(budgets)))
-        return real(values, costs, budgets, *args)
-
-    monkeypatch.setattr(cache_module, "fit_budgets", spy)
-    model = tiny_model()
-    lens = [30, 22]
-    policies = [p for _ in range(2) for p in MENU]
-    caches = fastgen_caches(model, policies, lens, 8, random_flags(256, 2), budget=0.4,
-                            bits=[16] * 4 + [4] * 4, scope="model")
-    greedy(model, prompts_of(lens, seed=5), caches, 8)
-    L, B, K = model.args.n_layers, len(lens), model.args.n_kv_heads
-    assert len(calls) == 1  # one knapsack per sequence, over every layer's heads
-    (shape, budgets), = calls
-    assert shape == (B, L * K, len(policies))
-    shares = torch.stack([c.share for c in caches])  # (L, B): what each layer took
-    assert len(set(shares.flatten().tolist())) > 1
-    assert (shares.mean(0) <= 0.4 + 1e-9).all()
-    per_layer = fastgen_caches(model, policies, lens, 8, random_flags(256, 2), budget=0.4,
-                               bits=[16] * 4 + [4] * 4)
-    calls.clear()
-    greedy(model, prompts_of(lens, seed=5), per_layer, 8)
-    assert calls[0][0] == (L * B, K, len(policies)) and sum(calls[0][1]) == sum(budgets)
-
-
-@torch.no_grad()
-def test_a_budget_for_every_n_layers_decides_n_at_a_time(monkeypatch):
-    import cache as cache_module
+def spy_knapsacks(monkeypatch):
+    """The (values shape, budgets) of every call to the cache's knapsack."""
     calls = []
     real = cache_module.fit_budgets
     monkeypatch.setattr(cache_module, "fit_budgets", lambda v, c, b, *a: calls.append(
-        (v.shape, list(b))) or real(v, c, b, *a))
-    model, lens = tiny_model(n_layers=5), [30, 22]
-    caches = fastgen_caches(model, MENU, lens, 8, random_flags(256, 2), budget=0.4, scope=2)
-    greedy(model, prompts_of(lens, seed=5), caches, 8)
-    K, M = model.args.n_kv_heads, len(MENU)
-    assert [shape for shape, _ in calls] == [(2, 2 * K, M), (2, 2 * K, M), (2, K, M)]
-    spent = torch.stack([c.share for c in caches])  # (L, B)
-    assert (spent[:4].view(2, 2, 2).mean(1) <= 0.4 + 1e-9).all() and (spent[4] <= 0.4).all()
+        (tuple(v.shape), list(b))) or real(v, c, b, *a))
+    return calls
 
 
-@pytest.mark.parametrize("scope", ["layer", 2, "model"])
 @torch.no_grad()
-def test_a_sequence_gets_the_same_plan_alone_and_in_a_batch(scope):
-    """The budget is each sequence's own: a prompt's plan and logits do not
-    depend on the prompts batched with it."""
+def test_a_small_model_s_budget_is_one_knapsack_per_sequence_over_every_layer(monkeypatch):
+    """A model of no more than cache.SCOPE layers decides at once, in one
+    knapsack per sequence whose budget is the sum of what each layer deciding
+    alone gets; the layers' shares then differ, and average within the budget."""
+    calls = spy_knapsacks(monkeypatch)
     model = tiny_model()
+    lens = [30, 22]
+    method = Method([p for _ in range(2) for p in MENU], [16] * 4 + [4] * 4, kv_budget=0.4)
+    caches = fastgen_caches(model, method, lens, 8, random_flags(256, 2))
+    greedy(model, prompts_of(lens, seed=5), caches, 8)
+    L, B, K = model.args.n_layers, len(lens), model.args.n_kv_heads
+    assert L <= cache_module.SCOPE
+    assert len(calls) == 1  # one knapsack per sequence, over every layer's heads
+    (shape, budgets), = calls
+    assert shape == (B, L * K, len(method.policies))
+    shares = torch.stack([c.share for c in caches])  # (L, B): what each layer took
+    assert len(set(shares.flatten().tolist())) > 1
+    assert (shares.mean(0) <= 0.4 + 1e-9).all()
+    alone = fastgen_caches(model, method, lens, 8, random_flags(256, 2))
+    for c in alone:  # each layer decides alone, on its own share
+        c.pending = cache_module.Pending(1)
+    calls.clear()
+    greedy(model, prompts_of(lens, seed=5), alone, 8)
+    assert [shape for shape, _ in calls] == [(B, K, len(method.policies))] * L
+    assert [sum(b) for b in zip(*(b for _, b in calls))] == budgets
+    assert all((c.share <= 0.4 + 1e-9).all() for c in alone)
+
+
+@torch.no_grad()
+def test_a_budget_is_shared_by_every_scope_layers(monkeypatch):
+    """A deeper model decides every cache.SCOPE layers (the last group what
+    is left), one knapsack per sequence over each group's heads, each group
+    within the budget."""
+    calls = spy_knapsacks(monkeypatch)
+    N = cache_module.SCOPE
+    model, lens = tiny_model(n_layers=N + 2), [30, 22]
+    caches = fastgen_caches(model, Method(MENU, kv_budget=0.4), lens, 8, random_flags(256, 2))
+    greedy(model, prompts_of(lens, seed=5), caches, 8)
+    B, K, M = len(lens), model.args.n_kv_heads, len(MENU)
+    assert [shape for shape, _ in calls] == [(B, N * K, M), (B, 2 * K, M)]
+    # Each group's budget: its layers' share of each sequence's full cache.
+    assert calls[0][1] == [b * N // 2 for b in calls[1][1]]
+    spent = torch.stack([c.share for c in caches])  # (L, B)
+    assert (spent[:N].mean(0) <= 0.4 + 1e-9).all() and (spent[N:].mean(0) <= 0.4 + 1e-9).all()
+    assert len(set(spent[:N].flatten().tolist())) > 1
+
+
+@pytest.mark.parametrize("n_layers", [2, cache_module.SCOPE + 1])
+@torch.no_grad()
+def test_a_sequence_gets_the_same_plan_alone_and_in_a_batch(n_layers):
+    """The budget is each sequence's own: a prompt's plan and logits do not
+    depend on the prompts batched with it, whether the model's layers make
+    one group or more."""
+    model = tiny_model(n_layers=n_layers)
     lens, flags = [30, 22, 26], random_flags(256, 2)
     prompts, K = prompts_of(lens, seed=5), model.args.n_kv_heads
-    batch = fastgen_caches(model, MENU, lens, 8, flags, budget=0.4, scope=scope)
+    method = Method(MENU, kv_budget=0.4)
+    batch = fastgen_caches(model, method, lens, 8, flags)
     together = greedy(model, prompts, batch, 8)
     for b, p in enumerate(prompts):
-        alone = fastgen_caches(model, MENU, [lens[b]], 8, flags, budget=0.4, scope=scope)
+        alone = fastgen_caches(model, method, [lens[b]], 8, flags)
         logits = greedy(model, [p], alone, 8)
         assert [c.choice[b * K:(b + 1) * K].tolist() for c in batch] == [
             c.choice.tolist() for c in alone]
@@ -285,10 +315,10 @@ def test_parts_of_several_precisions_grow_and_compile_once():
     model = tiny_model(seed=1)
     lens, max_new = [9, 14], 30
     prompts = prompts_of(lens, seed=7)
-    options = dict(page=4, evict_every=3, budget=0.85, bits=[16, 4])
+    method = Method([Full(), Full()], [16, 4], kv_budget=0.85, evict_every=3)
 
     def caches():
-        return fastgen_caches(model, [Full(), Full()], lens, max_new, None, **options)
+        return fastgen_caches(model, method, lens, max_new, page=4)
 
     eager = caches()
     expected = greedy(model, prompts, eager, max_new).argmax(-1)
@@ -300,8 +330,7 @@ def test_parts_of_several_precisions_grow_and_compile_once():
         cur, lens_t = first_token(model, prompts)
         out = [cur]
         for i in range(max_new - 1):
-            for c in compiled:
-                c.reserve()
+            reserve(compiled)
             cur = step(model, cur, lens_t[:, None] + i)
             out.append(cur)
         model.setup_caches(None)

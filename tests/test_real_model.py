@@ -58,7 +58,7 @@ def test_fastgen_saves_memory_and_keeps_greedy_tokens(real):
     prompts = long_prompts(tok)
     flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
     full = generate(model, prompts, 16)
-    fastgen = CacheOptions("fastgen", recovery=0.95)
+    fastgen = CacheOptions("fastgen", paper=True, recovery=0.95)
     fast = generate(model, prompts, 16, cache=fastgen, token_flags=flags)
     # Teacher-forced on the full cache's continuation: does FastGen predict the
     # same next token at each of the 16 steps?

@@ -22,7 +22,8 @@ PROMPTS = ["Hello, world! How are you?", "The quick brown fox jumps over the laz
 FOLLOW = [[5, 17, 42, 8, 99, 3], [7, 7, 1, 250, 64, 12]]  # teacher-forced continuations
 NEW = 10
 KINDS = ("full", "fastgen", "h2o", "snapkv")
-# The budget mode, FastGen's default: the budget is the whole model's, shared by every rank.
+# The budget mode, FastGen's default: the budget is shared by the heads of every
+# cache.SCOPE layers (these models' two), every rank's.
 BUDGETS = (0.5, 0.3)
 # `work` runs with every pool paged: a pool small enough for masked_attention
 # also holds a bias per segment and slot, and ranks with 1/n of the segments
@@ -78,16 +79,15 @@ def work(ckpt):
 
     model = tp.load_model(ckpt)  # this rank's share
     prompts = [Tokenizer(ckpt).encode(p) for p in PROMPTS]
+    paper = CacheOptions("fastgen", paper=True, recovery=0.9)
     result = {"logits": score(model, prompts, FOLLOW),
-              "logits_fastgen": score(model, prompts, FOLLOW,
-                                      cache=CacheOptions("fastgen", recovery=0.9)),
+              "logits_fastgen": score(model, prompts, FOLLOW, cache=paper),
               "logits_budget": score(model, prompts, FOLLOW,
                                      cache=CacheOptions("fastgen", kv_budget=0.4))}
-    # Span 1: with span 16 these short prompts on a random model keep every token at T = 0.9.
-    runs = {kv: dict(kv=kv, recovery=0.9, span=1) for kv in KINDS}
-    runs |= {f"budget {b}": dict(kv="fastgen", kv_budget=b) for b in BUDGETS}
+    runs = {kv: paper if kv == "fastgen" else CacheOptions(kv) for kv in KINDS}
+    runs |= {f"budget {b}": CacheOptions("fastgen", kv_budget=b) for b in BUDGETS}
     for name, options in runs.items():
-        gen = main(PROMPTS, ckpt=str(ckpt), max_new_tokens=NEW, **options)
+        gen = main(PROMPTS, ckpt=str(ckpt), max_new_tokens=NEW, cache=options)
         result[name] = {k: getattr(gen, k) for k in
                         ("tokens", "plan", "recovery", "kv_bytes", "kv_bytes_per_rank",
                          "full_kv_bytes", "kept_tokens", "seen_tokens")}
@@ -131,8 +131,9 @@ def test_cli_with_compile(ckpts, tmp_path):
     r = torchrun(2, "generate.py", "--ckpt", ckpts[2], "--prompt", PROMPTS[0], "--max-new-tokens",
                  8, "--kv", "fastgen", "--save-plan", plan, "--compile")
     assert r.returncode == 0, r.stderr
-    # The default, budget mode: one budget for the whole model, as in one process.
-    alone = main(PROMPTS[0], ckpt=str(ckpts[2]), max_new_tokens=8, kv="fastgen")
+    # The default, budget mode: one budget for every rank's heads, as in one process.
+    from generation import CacheOptions
+    alone = main(PROMPTS[0], ckpt=str(ckpts[2]), max_new_tokens=8, cache=CacheOptions("fastgen"))
     assert r.stdout == alone.texts[0] + "\n"
     assert json.loads(plan.read_text())["plan"] == alone.plan
     assert r.stderr.count("KV cache allocated") == 1 and "per rank" in r.stderr
