@@ -26,6 +26,11 @@ class ConversationFull(Exception):
     """A turn does not fit in what is left of the cache; the chat can go on with a shorter one."""
 
 
+class NotText(Exception):
+    """A turn that is not text (standard input's bytes that are not UTF-8, read as surrogate
+    escapes); nothing of it was fed, and the chat can go on with the line retyped."""
+
+
 @dataclass
 class Turn:
     """One user turn, its answer, and what the cache holds afterwards."""
@@ -83,6 +88,12 @@ class Chat:
     def turn(self, text: str, on_token=None, stop=lambda: False) -> Turn:
         """Feed a user turn on top of the cache and answer it. `stop()` is asked after each
         token; True ends the answer there, between two decode steps, so the cache stays whole."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # before anything is fed: the conversation stays as it was
+            raise NotText(f"this line is not UTF-8 text (byte {len(text[:e.start].encode())}) and "
+                          "was not sent; set the terminal to UTF-8 or convert the text (e.g. with "
+                          "iconv), and send it again")
         messages = self.messages + [{"role": "user", "content": text}]
         rendered = self.tok.apply_chat(messages)
         if not rendered.startswith(self.rendered):

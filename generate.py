@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import tp
-from chat import Chat, ConversationFull
+from chat import Chat, ConversationFull, NotText
 from generation import (DTYPES, KV_KINDS, CacheOptions, Generation, dense_kv_bytes, flags_of,
                         generate, load)
 from tokenizer import TokenizerError
@@ -201,6 +201,10 @@ def interactive(a) -> int:
     session = Chat(model, tok, cache=cache, max_new_tokens=a.max_new_tokens, compile=a.compile,
                    token_flags=flags_of(model, tok) if cache.kv != "full" else None,
                    sampling=dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p))
+    # A line that is not UTF-8 reaches the chat as surrogate escapes, which it refuses, rather
+    # than input() raising (under a locale whose standard input decodes strictly).
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     number = 0
     while True:
         print("> ", end="", file=sys.stderr, flush=True)
@@ -221,7 +225,7 @@ def interactive(a) -> int:
         printer = None if a.json else StreamPrinter(tok)
         try:
             turn = session.turn(line, on_token=printer, stop=lambda: bool(stopped))
-        except ConversationFull as e:
+        except (ConversationFull, NotText) as e:  # the chat goes on, without this turn
             print(f"error: {e}", file=sys.stderr)
             continue
         finally:

@@ -2,11 +2,14 @@
 conversation; --json output; --prompt-file -."""
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import generate
 import generation
@@ -116,3 +119,69 @@ def test_a_long_later_turn_is_kept_at_the_policys_share(tiny_ckpt):
     second = session.turn("The quick brown fox jumps over the lazy dog. " * 8)
     assert 0.4 < second.kept_tokens / second.seen_tokens < 0.6
     assert second.kv_bytes < second.full_kv_bytes
+
+
+def turns_and_errors(out: str, err: str, as_json: bool):
+    """The turns --interactive answered (its JSON objects, or its turns' summaries) and its
+    error lines (after the prompts "> " that stand before them)."""
+    errors = [l[l.index("error:"):] for l in err.splitlines() if "error:" in l]
+    if as_json:
+        return [json.loads(l) for l in out.splitlines() if l.strip()], errors
+    return [l for l in err.splitlines() if "[turn " in l], errors
+
+
+# Lines of random bytes, of Latin-1 text, and of UTF-8 text, none holding a line break.
+LINE = st.one_of(st.binary(max_size=12),
+                 st.text(st.characters(max_codepoint=255), max_size=12).map(
+                     lambda t: t.encode("latin-1")),
+                 st.text(max_size=12).map(lambda t: t.encode("utf-8", "surrogatepass"))).map(
+    lambda b: b.replace(b"\n", b"").replace(b"\r", b""))
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(lines=st.lists(LINE, min_size=1, max_size=4),
+       decoding=st.sampled_from(["strict", "surrogateescape"]))
+def test_lines_that_are_not_utf8_are_refused_and_the_chat_goes_on(tiny_ckpt, capsys, monkeypatch,
+                                                                   as_json, lines, decoding):
+    """Whatever bytes a line holds, under a locale that decodes standard input strictly or
+    with surrogate escapes: the chat never raises, each line is a turn or one error line,
+    a line that is not UTF-8 is refused, and every turn builds on the one before."""
+    capsys.readouterr()
+    stdin = io.TextIOWrapper(io.BytesIO(b"\n".join(lines) + b"\n"), encoding="utf-8",
+                             errors=decoding)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    argv = ["--ckpt", str(tiny_ckpt), "--interactive", "--max-new-tokens", "2"]
+    assert cli(argv + ["--json"] * as_json) == 0
+    turns, errors = turns_and_errors(*capsys.readouterr(), as_json)
+    read = [b.decode("utf-8", "surrogateescape") for b in lines]
+    sent = [t for t in read if t.strip()]
+    assert len(turns) + len(errors) == len(sent)
+    not_text = [e for e in errors if "not UTF-8" in e]
+    assert len(not_text) == sum(any("\udc80" <= c <= "\udcff" for c in t) for t in sent)
+    if as_json:  # nothing of the conversation is lost: each turn adds to what the cache held
+        held = 0
+        for t in turns:
+            held += len(t["fed"]) + len(t["tokens"]) - 1
+            assert t["cache_len"] == held
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_latin1_line_on_stdin_is_refused_in_one_line(tiny_ckpt, as_json):
+    """Through a real pipe, with standard input decoded strictly: the Latin-1 line is refused
+    with one line on stderr, and the next turn goes on from the first."""
+    r = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tiny_ckpt),
+                        "--interactive", "--max-new-tokens", "4", *["--json"] * as_json],
+                       input="Hello\ncafé au lait\nHow are you?\n".encode("latin-1"),
+                       capture_output=True, timeout=120,
+                       env=os.environ | {"PYTHONIOENCODING": "utf-8:strict"})
+    assert r.returncode == 0, r.stderr
+    turns, errors = turns_and_errors(r.stdout.decode(), r.stderr.decode(), as_json)
+    assert len(turns) == 2
+    assert errors == ["error: this line is not UTF-8 text (byte 3) and was not sent; set the "
+                      "terminal to UTF-8 or convert the text (e.g. with iconv), and send it again"]
+    if as_json:
+        first, second = turns
+        assert second["cache_len"] == (first["cache_len"] + len(second["fed"])
+                                       + len(second["tokens"]) - 1)
