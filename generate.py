@@ -48,6 +48,15 @@ def read_prompts(prompt, prompt_file) -> list[str]:
         except UnicodeDecodeError as e:
             raise UsageError(f"--prompt-file {name} is not UTF-8 text (byte {e.start}); "
                              "convert it, e.g. with iconv")
+    # Bytes that are not UTF-8 come from the command line (or a stdin decoded leniently) as
+    # surrogate escapes, which the tokenizer cannot take.
+    for i, p in enumerate(prompts):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            what = "--prompt" if i < len(prompts) - bool(prompt_file) else f"--prompt-file {name}"
+            raise UsageError(f"{what} is not UTF-8 text (byte {len(p[:e.start].encode())}); "
+                             "convert it, e.g. with iconv")
     if not prompts:
         raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
     if any(not p.strip() for p in prompts):

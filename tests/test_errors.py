@@ -147,6 +147,20 @@ def test_user_paths_and_sizes_are_one_line(tiny_ckpt, tmp_path, capsys, monkeypa
     assert words in err.splitlines()[-1] and err.count("\n") <= 2 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args, what", [(["--prompt", "caf\udce9"], "--prompt"),
+                                        (["--prompt-file", "-"], "--prompt-file standard input")])
+def test_prompts_that_are_not_utf8_are_one_line(tiny_ckpt, capsys, monkeypatch, args, what):
+    """The command line, and a standard input decoded leniently, hand over bytes that are not
+    UTF-8 as surrogate escapes: refused in one line, as a file that is not UTF-8 is."""
+    import io
+    import sys
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9"),
+                                                       errors="surrogateescape"))
+    assert cli(["--ckpt", str(tiny_ckpt), *args]) == 2
+    assert capsys.readouterr().err == (f"error: {what} is not UTF-8 text (byte 3); convert it, "
+                                       "e.g. with iconv\n")
+
+
 def test_read_only_cache_folder_is_one_line(tmp_path, capsys, monkeypatch):
     from test_convert_gguf import write_tiny_gguf
     write_tiny_gguf(tmp_path / "tiny.gguf")
