@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import pool
-from conftest import save_tiny_hf, save_tiny_tokenizer
+from conftest import CORPUS, save_tiny_hf, save_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello, world! How are you?", "The quick brown fox jumps over the lazy dog. Once"]
@@ -124,6 +124,60 @@ def test_tensor_parallel_equals_one_process(ckpts, tmp_path, kv_heads, n, monkey
     assert len(got["sampled"]) == 2
 
 
+# A prompt read in chunks, each chunk choosing every head's policy again: short
+# chunks and the default method profiling a 4-row window, at which these random
+# models' heads take TOVA often enough that choosing again offers it to heads of a
+# rank none of whose heads took it at the first chunk (the pool must then hold
+# what TOVA reads, as one process's does).
+CHUNKED = [dict(kv="fastgen", kv_budget=b, prefill_chunk=16) for b in (0.5, 0.3)]
+
+
+def chunked(ckpt):
+    """What every run computes for CHUNKED: teacher-forced logits, greedy generations."""
+    import cache
+    import tp
+    from generate import main
+    from generation import CacheOptions, score
+    from tokenizer import Tokenizer
+
+    model, tok = tp.load_model(ckpt), Tokenizer(ckpt)
+    ids = tok.encode(" ".join(CORPUS[:5]) * 4)
+    prompts = [ids[:160], ids[7:167]]
+    result, rows = {}, cache.ROWS
+    cache.ROWS = 4
+    try:
+        for i, options in enumerate(CHUNKED):
+            options = CacheOptions(**options)
+            result[i, "logits"] = score(model, prompts, FOLLOW, cache=options)
+            for batch in (prompts, prompts[:1]):
+                gen = main([tok.decode(p) for p in batch], ckpt=str(ckpt), max_new_tokens=NEW,
+                           cache=options)
+                result[i, len(batch)] = {k: getattr(gen, k) for k in (
+                    "tokens", "plan", "recovery", "kept_tokens", "seen_tokens")}
+    finally:
+        cache.ROWS = rows
+    return result
+
+
+@pytest.mark.parametrize("kv_heads, n", [(2, 2), (4, 2), (4, 4), (3, 3)])
+def test_chunked_prefill_choosing_again_equals_one_process(ckpts, tmp_path, kv_heads, n,
+                                                           monkeypatch):
+    out = tmp_path / "tp.pt"
+    r = torchrun(n, __file__, "chunked", ckpts[kv_heads], out)
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setattr(pool, "MASKED_SCORES", PAGED)
+    got, want = torch.load(out), chunked(ckpts[kv_heads])
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        g = got[key]
+        if key[1] == "logits":
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            continue
+        for field in ("tokens", "plan", "kept_tokens", "seen_tokens"):
+            assert g[field] == w[field], (key, field)
+        torch.testing.assert_close(torch.tensor(g["recovery"]), torch.tensor(w["recovery"]))
+
+
 def test_cli_with_compile(ckpts, tmp_path):
     """The CLI under torchrun: --compile, only rank 0 prints, --save-plan counts every KV head."""
     from generate import main
@@ -181,9 +235,9 @@ def worker(task, ckpt, out=None):
     import model
     import tp
     tp.init("cpu")
-    if task == "work":
+    if task in ("work", "chunked"):
         pool.MASKED_SCORES = PAGED
-        result = work(ckpt)
+        result = (work if task == "work" else chunked)(ckpt)
         if tp.rank() == 0:
             torch.save(result, out)
         tp.shutdown()
