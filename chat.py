@@ -16,7 +16,7 @@ import torch
 
 from model import reserve
 from generation import CacheOptions, decode, dense_kv_bytes, make_caches, sample
-from tokenizer import TokenizerError
+from tokenizer import TokenizerError, not_utf8_at
 
 CHUNK = 512  # tokens per call when a cache takes a turn: bounds the attention matrix;
 # also the step by which the full cache grows.
@@ -88,12 +88,11 @@ class Chat:
     def turn(self, text: str, on_token=None, stop=lambda: False) -> Turn:
         """Feed a user turn on top of the cache and answer it. `stop()` is asked after each
         token; True ends the answer there, between two decode steps, so the cache stays whole."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # before anything is fed: the conversation stays as it was
-            raise NotText(f"this line is not UTF-8 text (byte {len(text[:e.start].encode())}) and "
-                          "was not sent; set the terminal to UTF-8 or convert the text (e.g. with "
-                          "iconv), and send it again")
+        at = not_utf8_at(text)
+        if at is not None:  # before anything is fed: the conversation stays as it was
+            raise NotText(f"this line is not UTF-8 text (byte {at}) and was not sent; set the "
+                          "terminal to UTF-8 or convert the text (e.g. with iconv), and send it "
+                          "again")
         messages = self.messages + [{"role": "user", "content": text}]
         rendered = self.tok.apply_chat(messages)
         if not rendered.startswith(self.rendered):

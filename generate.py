@@ -22,7 +22,7 @@ import tp
 from chat import Chat, ConversationFull, NotText
 from generation import (DTYPES, KV_KINDS, CacheOptions, Generation, dense_kv_bytes, flags_of,
                         generate, load)
-from tokenizer import TokenizerError
+from tokenizer import TokenizerError, not_utf8_at
 
 
 class UsageError(Exception):
@@ -51,12 +51,10 @@ def read_prompts(prompt, prompt_file) -> list[str]:
     # Bytes that are not UTF-8 come from the command line (or a stdin decoded leniently) as
     # surrogate escapes, which the tokenizer cannot take.
     for i, p in enumerate(prompts):
-        try:
-            p.encode("utf-8")
-        except UnicodeEncodeError as e:
+        at = not_utf8_at(p)
+        if at is not None:
             what = "--prompt" if i < len(prompts) - bool(prompt_file) else f"--prompt-file {name}"
-            raise UsageError(f"{what} is not UTF-8 text (byte {len(p[:e.start].encode())}); "
-                             "convert it, e.g. with iconv")
+            raise UsageError(f"{what} is not UTF-8 text (byte {at}); convert it, e.g. with iconv")
     if not prompts:
         raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
     if any(not p.strip() for p in prompts):

@@ -13,7 +13,7 @@ same cache. generate.py is the command line on top, chat.py a conversation.
 from __future__ import annotations
 
 import time
-from dataclasses import KW_ONLY, asdict, dataclass, field, replace
+from dataclasses import KW_ONLY, asdict, dataclass, field
 
 import torch
 

@@ -8,6 +8,7 @@ keeps, per head, only what that head's policy needs.
 """
 from __future__ import annotations
 
+import abc
 import json
 import math
 from dataclasses import dataclass
@@ -177,27 +178,27 @@ def attend(q, k, v, visible):
 CHUNK_ROWS = 128
 
 
-class Cache(nn.Module):
+class Cache(nn.Module, abc.ABC):
     """What attention and the decode loop ask of a layer's KV cache. `KVCache`
     below keeps every token; `cache.FastGenCache` what each head's policy keeps."""
 
     profile_s = 0.0  # prefill time spent choosing what to keep
     recovery = None  # (segments, policies) what each policy recovers, where it chose
 
+    @abc.abstractmethod
     def forward(self, q, k, v, input_pos, tokens) -> torch.Tensor:
         """Hold k, v (B, K, T, D) of `tokens` (B, T) at positions input_pos (B, T)
         and return the attention of q (B, H, T, D) over all that is held: T
         tokens of a prompt, of a chunk on top of what is held, or one."""
-        raise NotImplementedError
 
     @staticmethod
     def reserve(caches: list[Cache], tokens=1) -> None:
         """Before each step after the prompt, outside compiled code, every layer's
         cache at once: `tokens` per sequence, 1, a chunk's T or (B,) counts."""
 
+    @abc.abstractmethod
     def nbytes(self) -> int:
         """Bytes the cache really holds."""
-        raise NotImplementedError
 
     def kept(self) -> int:
         """(sequence, KV head, token) triples held; 0 where they are not counted."""

@@ -8,6 +8,16 @@ import unicodedata
 from pathlib import Path
 
 
+def not_utf8_at(text: str) -> int | None:
+    """The byte offset in `text` of its first byte that is not UTF-8 (read in as a
+    surrogate escape, which no tokenizer takes), or None when it is all text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return len(text[:e.start].encode())
+    return None
+
+
 class TokenizerError(Exception):
     """A tokenizer that cannot be loaded; the message says why and what to do."""
 

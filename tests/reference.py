@@ -465,6 +465,9 @@ class CheckedCache(Cache):
         self.steps = 0
         self.tokens = 1
 
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
     @staticmethod
     def reserve(caches, tokens=1):
         """`forward` reserves, and checks that it left room; a chunk's counts are
