@@ -41,9 +41,9 @@ import torch
 import pool
 from model import Cache, causal_attention
 from policies import Full, Policy, Slots, baseline, menu, shortlist
-from profiling import (Profile, attention_sums, choose, fit_budgets, flash_sums, held_profile,
-                       local_ratios, precision_errors, prompt_slots, recoveries, squared_losses,
-                       weigh)
+from profiling import (Profile, attention_sums, choose, fit_budgets, flash_reread_sums, flash_sums,
+                       held_profile, local_ratios, precision_errors, prompt_slots, recoveries,
+                       reread_profile, reread_sums, squared_losses, weigh)
 from quant import rounds, token_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
@@ -86,6 +86,9 @@ class Method:
         a prompt token's attention counts times its value's norm
     evict_every : int, optional
         tokens between evictions; None: half a page, at least EVICT_EVERY
+    reread : bool, default False
+        profile by the context read again after it (`read_again`), not by its
+        last rows: for questions that come after compression
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
@@ -95,6 +98,7 @@ class Method:
     span: int = 1
     weigh_values: bool = False
     evict_every: int | None = None
+    reread: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "policies", tuple(self.policies))
@@ -119,12 +123,13 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
     return [p for p, _ in items], [b for _, b in items]
 
 
-def default_method(kv_budget: float = 0.5, kv_bits=None) -> Method:
+def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
     """FastGen's default: the menu under a byte budget, profiled on the last
-    ROWS prompt rows, heavy hitters by mean attention, each token scored over
-    SPAN tokens and weighed by its value's norm."""
+    ROWS prompt rows (or the prompt read again), heavy hitters by mean
+    attention, each token scored over SPAN tokens and weighed by its value's norm."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
-    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=SPAN, weigh_values=True)
+    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=SPAN, weigh_values=True,
+                  reread=reread)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
@@ -135,12 +140,12 @@ def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
     return Method(policies, bits, recovery=recovery, rows=None, evict_every=1)
 
 
-def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None) -> Method:
+def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
     """One fixed policy (policies.baseline) for every segment, its prompt
-    profiled on the rows its ranking reads."""
+    profiled on the rows its ranking reads (or read again)."""
     policy = baseline(kind, kv_budget)
     policies, bits = at_bits([policy], kv_bits)
-    return Method(policies, bits, rows=policy.rows)
+    return Method(policies, bits, rows=policy.rows, reread=reread)
 
 
 @dataclass
@@ -211,11 +216,19 @@ class FastGenCache(Cache):
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.every = None  # every row's Profile, prefill to `decide`, where it is read
+        self.reread = None  # (S, T) what the context read again gave it (`read_again`)
+        self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
         rows = method.rows
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
+    @property
+    def rereads(self) -> bool:
+        return self.method.reread
+
     def forward(self, q, k, v, input_pos, tokens):
         if self.pool is None:
+            if self.held is not None and self.method.reread:
+                return self.read_again(q, k, v)
             return self.prefill(q, k, v, tokens)
         if q.shape[2] > 1 or self.clock.chunk:
             return self.chunk(q, k, v, input_pos, tokens)
@@ -231,13 +244,26 @@ class FastGenCache(Cache):
         # A profile of every row and no band (h2o's) is taken now, from the
         # prefill's own attention pass where torch allows it (profile_s then
         # counts the attention too).
-        if self.method.rows is None and not banded(self.policies):
+        if self.method.rows is None and not banded(self.policies) and not self.method.reread:
             out, self.every = (flash_sums(q, k, v, self.prompt_lens)
                                or (None, attention_sums(q, k, self.prompt_lens)))
         self.head_dim = k.shape[-1]
         self.profile_s = _clock(q.device) - t0
         self.pending.add(self)
         return causal_attention(q, k, v) if out is None else out
+
+    def read_again(self, q, k, v):
+        """The context read again after it (`read_again` below): attend over the
+        context held and, causally, these tokens, and add what each context
+        token received to `reread`, which `decide` profiles instead of the
+        prompt's last rows. Nothing of these tokens is held."""
+        t0 = _clock(q.device)
+        _, ck, cv, _ = self.held
+        args = (q, k, v, ck, cv, self.prompt_lens, self.counts)
+        y, got = flash_reread_sums(*args) or reread_sums(*args)
+        self.reread = got if self.reread is None else self.reread + got
+        self.profile_s += _clock(q.device) - t0
+        return y
 
     def from_sums(self, sums: Profile, tokens, layers: int = 1) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots, scored by profiling's `sums` of `layers` layers
@@ -466,6 +492,8 @@ class Pending:
     def add(self, cache: FastGenCache):
         self.waiting.append(cache)
         self.profiled += 1
+        if cache.method.reread:  # they decide once the context was read again
+            return
         held = sum(t.nbytes for c in self.waiting for t in c.held[:3])
         # Decide now if one more layer like these would pass the limit.
         full = (len(self.waiting) == self.every if self.every
@@ -474,10 +502,11 @@ class Pending:
             self.flush()
 
     def flush(self):
-        """Decide for every layer waiting, now."""
-        if self.waiting:
-            decide(self.waiting)
-            self.waiting = []
+        """Decide for every layer waiting, now (`every` layers at a time)."""
+        every = self.every or len(self.waiting)
+        for i in range(0, len(self.waiting), every):
+            decide(self.waiting[i:i + every])
+        self.waiting = []
 
 
 def decide(caches: list[FastGenCache]):
@@ -508,7 +537,7 @@ def decide(caches: list[FastGenCache]):
     compress(caches, prompt, keeps, growth)
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:
-        c.held = c.every = None
+        c.held = c.every = c.reread = None
         c.profile_s += spent
 
 
@@ -523,8 +552,13 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         group = caches[i:i + per]
         q, k, v = (torch.cat([c.held[j] for c in group]) for j in range(3))
         lens = first.prompt_lens.repeat(len(group))
-        sums = (Profile.cat([c.every for c in group]) if first.every is not None  # at prefill
-                else attention_sums(q, k, lens, banded(first.policies), method.rows))
+        if method.reread:
+            sums = reread_profile(torch.cat([c.reread for c in group]),
+                                  lens.repeat_interleave(first.n_kv_heads), banded(first.policies))
+        elif first.every is not None:  # at prefill
+            sums = Profile.cat([c.every for c in group])
+        else:
+            sums = attention_sums(q, k, lens, banded(first.policies), method.rows)
         parts.append(weigh(sums, v) if method.weigh_values else sums)
     return Profile.cat(parts)
 
@@ -663,6 +697,17 @@ def evict(caches: list[FastGenCache]):
     names = ["pos", "score", "flags"] + (["last"] if any(p.reads_last for p in policies) else [])
     pool.evict([c.pool for c in caches], torch.cat(by), len(policies), names, segments,
                lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
+
+
+def read_again(caches: list[FastGenCache], counts=None):
+    """Before each piece of a context read again (generation.read_again), the
+    tokens (B,) of each sequence it holds; with None, the reading is over:
+    every layer profiles what it gave and decides."""
+    if counts is None:
+        caches[0].pending.flush()
+        return
+    for c in caches:
+        c.counts = torch.as_tensor(counts, device=c.prompt_lens.device)
 
 
 def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, token_flags=None,

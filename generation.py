@@ -18,6 +18,7 @@ from dataclasses import KW_ONLY, asdict, dataclass, field
 import torch
 
 import tp
+import cache as fastgen_cache
 from cache import default_method, fastgen_caches, fixed_method, paper_method
 from model import KVCache, Transformer, reserve
 from pool import page_size
@@ -69,9 +70,33 @@ def prefill_logits(model: Transformer, tokens, prompt_lens, chunk: int | None = 
             reserve(model.caches(), (prompt_lens - s).clamp(0, chunk))
         at = (prompt_lens - 1 - s).clamp(0, min(chunk, T - s) - 1)
         logits = model(tokens[:, s:s + chunk], positions[:, s:s + chunk], logits_at=at)[:, 0]
+        if not s and model.caches()[0].rereads:
+            read_again(model, tokens[:, :chunk], prompt_lens.clamp(max=chunk))
         ends_here = ((prompt_lens - 1) // chunk == s // chunk)[:, None]
         last = logits if last is None else torch.where(ends_here, logits, last)
     return last
+
+
+# Tokens of a prompt read again at once (`read_again`).
+READ_AGAIN = 1024
+
+
+@torch.no_grad()
+def read_again(model: Transformer, tokens, prompt_lens, piece: int = READ_AGAIN):
+    """Read the prompts (B, T) again after themselves, in pieces of `piece`
+    tokens, each piece attending to its whole prompt and causally to itself
+    (KVzip's context reconstruction, in chunks), for a cache that chooses what
+    to keep by the attention this gives the prompt (cache.Method.reread).
+    Nothing of it is kept. A piece starts right after its prompt, or earlier
+    where it would run past the model's context."""
+    caches, B = model.caches(), len(tokens)
+    for s in range(0, tokens.shape[1], piece):
+        part = tokens[:, s:s + piece]
+        start = prompt_lens.clamp(max=model.args.max_seq_len - part.shape[1])
+        fastgen_cache.read_again(caches, (prompt_lens - s).clamp(0, piece))
+        model(part, start[:, None] + torch.arange(part.shape[1], device=part.device),
+              logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
+    fastgen_cache.read_again(caches)
 
 
 def decode_one_token(model: Transformer, token, input_pos, **sampling):
@@ -156,6 +181,9 @@ class CacheOptions:
         at each (its budget a share of a 16-bit cache's bytes)
     prefill_chunk : int, optional
         read prompts in pieces of this many tokens
+    ask_after : bool, default False
+        compressed caches: choose what to keep for questions asked after the
+        prompt, by reading it again (cache.Method.reread), not by its last rows
     """
     kv: str = "full"
     _: KW_ONLY
@@ -164,6 +192,7 @@ class CacheOptions:
     recovery: float | None = None
     kv_bits: tuple[int, ...] | None = None
     prefill_chunk: int | None = None
+    ask_after: bool = False
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
@@ -189,6 +218,11 @@ class CacheOptions:
         need(self.recovery is None or self.paper,
              "--recovery is the paper's threshold: add --paper (the default FastGen takes "
              "--kv-budget)")
+        need(not self.ask_after or (self.kv != "full" and not self.paper),
+             "--ask-after chooses what a compressed cache keeps: add --kv fastgen (not --paper) "
+             "or a fixed policy")
+        need(not (self.ask_after and self.prefill_chunk),
+             "--ask-after reads the whole prompt again: drop --prefill-chunk")
         need(not (self.paper and self.kv_budget is not None),
              "--kv-budget is the default FastGen's; the paper's method takes --recovery")
 
@@ -210,9 +244,9 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     if o.kv == "fastgen" and o.paper:
         method = paper_method(0.95 if o.recovery is None else o.recovery, o.kv_bits)
     elif o.kv == "fastgen":
-        method = default_method(budget, o.kv_bits)
+        method = default_method(budget, o.kv_bits, reread=o.ask_after)
     else:
-        method = fixed_method(o.kv, budget, o.kv_bits)
+        method = fixed_method(o.kv, budget, o.kv_bits, reread=o.ask_after)
     # Tensor parallel: a budget spans every rank's heads, which share their tables.
     heads = tp.Heads(len(prompt_lens)) if tp.world() > 1 and method.kv_budget else None
     page = None

@@ -184,6 +184,7 @@ class Cache(nn.Module, abc.ABC):
 
     profile_s = 0.0  # prefill time spent choosing what to keep
     recovery = None  # (segments, policies) what each policy recovers, where it chose
+    rereads = False  # it decides what to keep once the prompt was read again (generation.read_again)
 
     @abc.abstractmethod
     def forward(self, q, k, v, input_pos, tokens) -> torch.Tensor:

@@ -51,7 +51,7 @@ from tqdm import tqdm
 import cache as fastgen_cache
 import model as model_module
 from cache import profile_layers
-from generation import CacheOptions, make_caches
+from generation import CacheOptions, make_caches, read_again
 from model import causal_attention, reserve
 from studies.textdata import SOURCES
 
@@ -176,6 +176,8 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None):
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
     model.setup_caches(caches)
+    if caches[0].rereads:
+        read_again(model, tokens, lens)
     out, pos = [last], lens[:, None]
     for i in range(n - 1):
         reserve(caches)

@@ -68,14 +68,14 @@ import torch
 from tqdm import tqdm
 
 from model import reserve
-from generation import CacheOptions, dense_kv_bytes, make_caches
+from generation import CacheOptions, dense_kv_bytes, make_caches, read_again
 from studies import evaluate
 from studies.evaluate import Config
 from studies.textdata import SOURCES, documents, prompts
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 READINGS = ("question_last", "agnostic")
-METHODS = ("full", "fastgen", "fastgen-paper", "local", "sink", "h2o", "tova", "snapkv")
+METHODS = ("full", "fastgen", "fastgen-ask", "fastgen-paper", "local", "sink", "h2o", "tova", "snapkv")
 FIXED = ("local", "sink", "h2o", "tova", "snapkv")
 FLOOR = 0.3  # a task the full cache scores below this is left out of the averages
 
@@ -281,6 +281,9 @@ def method_configs(methods, budgets, thresholds) -> list[Config]:
     for m in methods:
         if m == "fastgen":
             out += [Config(f"fastgen b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
+        elif m == "fastgen-ask":
+            out += [Config(f"fastgen-ask b={b:g}", "fastgen", {"kv_budget": b, "ask_after": True})
+                    for b in budgets]
         elif m == "fastgen-paper":
             out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
                     for t in thresholds]
@@ -318,6 +321,8 @@ def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: i
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
     model.setup_caches(caches)
+    if caches[0].rereads:
+        read_again(model, tokens, lens)
     fed = torch.zeros(B, steps, dtype=torch.long)
     teacher = torch.zeros(B, steps, dtype=torch.bool)
     for b, q in enumerate(questions):

@@ -1,0 +1,122 @@
+"""Compress once, ask after: the prompt read again (KVzip's reconstruction)
+against brute force, and what the cache does with it."""
+import math
+
+import pytest
+import torch
+
+import cache
+from generation import CacheOptions, generate, read_again
+from model import ModelArgs, Transformer
+from profiling import flash_reread_sums, reread_profile, reread_sums
+from reference import one_thread  # noqa: F401  (autouse fixture)
+from studies.evaluate import Recorder
+
+
+def brute_reread(q, k, v, held_k, held_v, lens, counts):
+    """Each row read again, one at a time: softmax over the context's keys and
+    the rows up to its own; the output and each context token's attention
+    summed over the rows and averaged over the G query heads of its KV head."""
+    B, H, R, D = q.shape
+    K, T = held_k.shape[1:3]
+    G = H // K
+    y = torch.zeros_like(q)
+    colsum = torch.zeros(B, K, T)
+    for b in range(B):
+        for h in range(H):
+            keys = torch.cat([held_k[b, h // G, :lens[b]], k[b, h // G]])
+            values = torch.cat([held_v[b, h // G, :lens[b]], v[b, h // G]])
+            for i in range(int(counts[b])):
+                n = int(lens[b]) + i + 1
+                p = (keys[:n] @ q[b, h, i] / math.sqrt(D)).softmax(0)
+                y[b, h, i] = p @ values[:n]
+                colsum[b, h // G, :lens[b]] += p[:lens[b]] / G
+    return y, colsum.flatten(0, 1)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4000, 1 << 20])
+def test_reread_sums_are_the_attention_of_the_context_read_again(chunk_bytes):
+    g = torch.Generator().manual_seed(1)
+    B, H, K, R, T, D = 2, 6, 2, 9, 11, 8
+    q, k, v = (torch.randn(B, n, R, D, generator=g) * 2 for n in (H, K, K))
+    held_k, held_v = (torch.randn(B, K, T, D, generator=g) * 2 for _ in range(2))
+    lens, counts = torch.tensor([11, 6]), torch.tensor([9, 4])
+    held_k[1, :, 6:] = 100  # padding: junk that must not count
+    want_y, want = brute_reread(q, k, v, held_k, held_v, lens, counts)
+    for fn in (lambda *a: reread_sums(*a, chunk_bytes=chunk_bytes), flash_reread_sums):
+        got = fn(q, k, v, held_k, held_v, lens, counts)
+        if got is None:
+            continue  # no CPU flash kernel in this torch
+        y, colsum = got
+        torch.testing.assert_close(colsum, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y[0], want_y[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y[1, :, :4], want_y[1, :, :4], atol=1e-5, rtol=1e-5)
+
+
+def test_reread_profile_is_a_share_of_the_context_and_local_its_end():
+    colsum = torch.tensor([[4.0, 1, 1, 2, 2, 0], [1, 1, 2, 0, 0, 0]])
+    prof = reread_profile(colsum, torch.tensor([6, 3]), [0.5])
+    torch.testing.assert_close(prof.colsum.sum(1), torch.ones(2))
+    # Local(0.5) keeps the last ceil(0.5 * len) tokens: 3 of 6, 2 of 3.
+    torch.testing.assert_close(prof.bands[0.5], torch.tensor(
+        [[0, 0, 0, 0.2, 0.2, 0], [0, 0.25, 0.5, 0, 0, 0]]))
+    assert prof.rows.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("piece", [5, 16])
+def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
+    """What each layer profiles is the attention that the prompt's pieces, each
+    fed right after the whole prompt, give it: recorded from a plain forward of
+    the prompt then the piece, as causal attention computes it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
+    ids = torch.randint(1, model.args.vocab_size, (1, 12))
+    T = ids.shape[1]
+    got = []
+    monkeypatch.setattr(cache, "reread_profile",
+                        lambda colsum, lens, ratios: got.append(colsum) or reread_profile(
+                            colsum, lens, ratios))
+    generate(model, ids.tolist(), 1, cache=CacheOptions("fastgen", ask_after=True),
+             token_flags=None) if piece == 16 else None
+    if piece != 16:  # the driver alone, in pieces
+        caches = cache.fastgen_caches(model, cache.default_method(0.5, reread=True), [T], 2)
+        model.setup_caches(caches)
+        model(ids, torch.arange(T)[None])
+        read_again(model, ids, torch.tensor([T]), piece=piece)
+    want = torch.zeros(2 * model.args.n_kv_heads, T)  # (layers * K, T)
+    for s in range(0, T, piece):
+        part = ids[:, s:s + piece]
+        recorders = [Recorder(None) for _ in model.layers]
+        model.setup_caches(recorders)
+        model(torch.cat([ids, part], 1), torch.arange(T + part.shape[1])[None])
+        for layer, r in enumerate(recorders):
+            q, k, _ = r.qkv
+            G = q.shape[1] // k.shape[1]
+            scores = q[0, :, T:] @ k[0].repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(
+                q.shape[-1])
+            mask = torch.ones(part.shape[1], T + part.shape[1]).tril(T).bool()
+            p = scores.masked_fill(~mask, -math.inf).softmax(-1)[..., :T].sum(1)  # (H, T)
+            want[layer * k.shape[1]:(layer + 1) * k.shape[1]] += p.view(-1, G, T).mean(1)
+    model.setup_caches(None)
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-4)
+
+
+def test_ask_after_leaves_the_prompts_logits_and_the_policies():
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
+    prompts = [torch.randint(1, 200, (40,)).tolist(), torch.randint(1, 200, (25,)).tolist()]
+    runs = {a: generate(model, prompts, 1, cache=CacheOptions("h2o", kv_budget=0.3, ask_after=a))
+            for a in (False, True)}
+    full = generate(model, prompts, 1)
+    assert runs[True].tokens == runs[False].tokens == full.tokens  # sampled before compression
+    assert runs[True].plan == runs[False].plan  # one fixed policy: what it ranks by differs
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(kv="full", ask_after=True), "--ask-after"),
+    (dict(kv="fastgen", paper=True, ask_after=True), "--ask-after"),
+    (dict(kv="fastgen", prefill_chunk=64, ask_after=True), "--prefill-chunk"),
+])
+def test_ask_after_refuses_what_it_cannot_do(options, message):
+    with pytest.raises(ValueError, match=message):
+        CacheOptions(**options).check()
