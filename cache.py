@@ -216,7 +216,8 @@ class FastGenCache(Cache):
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.every = None  # every row's Profile, prefill to `decide`, where it is read
-        self.reread = None  # (S, T) what the context read again gave it (`read_again`)
+        self.rereading = False  # the next forward reads again (`read_again`)
+        self.reread = None  # what the tokens read again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
         rows = method.rows
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
@@ -227,9 +228,9 @@ class FastGenCache(Cache):
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.pool is None:
-            if self.held is not None and self.method.reread:
-                return self.read_again(q, k, v)
-            return self.prefill(q, k, v, tokens)
+            return self.read_again(q, k, v) if self.rereading else self.prefill(q, k, v, tokens)
+        if self.rereading:
+            return self.read_again(q, k, v)
         if q.shape[2] > 1 or self.clock.chunk:
             return self.chunk(q, k, v, input_pos, tokens)
         return self.decode(q, k, v, input_pos, tokens)
@@ -253,17 +254,50 @@ class FastGenCache(Cache):
         return causal_attention(q, k, v) if out is None else out
 
     def read_again(self, q, k, v):
-        """The context read again after it (`read_again` below): attend over the
-        context held and, causally, these tokens, and add what each context
-        token received to `reread`, which `decide` profiles instead of the
-        prompt's last rows. Nothing of these tokens is held."""
+        """What was read last, read again after it (`read_again` below): attend
+        over all that is held (the prompt before `decide`, else the pool) and,
+        causally, these tokens, and add what each held token received to
+        `reread`, which chooses the policies instead of the last rows read.
+        Nothing of these tokens is held."""
         t0 = _clock(q.device)
-        _, ck, cv, _ = self.held
-        args = (q, k, v, ck, cv, self.prompt_lens, self.counts)
-        y, got = flash_reread_sums(*args) or reread_sums(*args)
-        self.reread = got if self.reread is None else self.reread + got
+        sums = lambda *a: flash_reread_sums(*a) or reread_sums(*a)  # noqa: E731
+        if self.pool is None:  # the prompt: every segment's, as prefill held it
+            _, ck, cv, _ = self.held
+            held = torch.arange(ck.shape[2], device=q.device) < self.prompt_lens[:, None]
+            y, got = sums(q, k, v, ck, cv, held, self.counts)
+            got = [got]
+        else:  # the pool: a group's segments at a time, each a sequence of one KV head
+            B, H, R, D = q.shape
+            K = self.n_kv_heads
+            q, k, v = q.reshape(B * K, H // K, R, D), k.reshape(B * K, 1, R, D), v.reshape(
+                B * K, 1, R, D)
+            counts = self.counts.repeat_interleave(K)
+            keys, values = self.pool.kv_pages()
+            keys = keys.transpose(1, 2)  # (N, P, D)
+            y, got = torch.empty_like(q), []
+            for g in self.pool.groups:
+                seg = g.seg.to(q.device)
+                y[seg], col = sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
+                                   g.block(values)[:, None], g.block(self.pool.pos) >= 0,
+                                   counts[seg])
+                got.append(col)
+            y = y.view(B, H, R, D)
+        self.reread = got if self.reread is None else [a + b for a, b in zip(self.reread, got)]
         self.profile_s += _clock(q.device) - t0
         return y
+
+    def chose_again(self):
+        """After what was read last was read again: each held token's score gains
+        what it received, and every segment's policy is chosen again from it."""
+        groups, ratios = self.pool.groups, local_ratios(self.policies)
+        profiles = []
+        for g, got in zip(groups, self.reread):
+            g.block(self.pool.score).add_(got)
+            s = self.slots(g)
+            profiles.append(reread_profile(got, s.pos, s.seen, s.prompt_len, ratios))
+        self.reread = None
+        if len(self.policies) > 1:
+            self.choose_again(profiles)
 
     def from_sums(self, sums: Profile, tokens, layers: int = 1) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots, scored by profiling's `sums` of `layers` layers
@@ -350,33 +384,34 @@ class FastGenCache(Cache):
                         self.pool.taken(T).reshape(-1), per=T)
         self.pool.forget()  # padding written is no slot's
         # The rows that choose again: the chunk's last, if every sequence has them.
-        rechoose = len(self.policies) > 1 and bool(valid[:, -1].all())
+        rechoose = len(self.policies) > 1 and bool(valid[:, -1].all()) and not self.method.reread
         R = min(self.method.rows or T, T) if rechoose else 0
         y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid, observe=R)
         self.seg_prompt_len += counts
         if R:
-            self.choose_again(at[:, T - R:])
+            rows, ratios = at[:, T - R:], local_ratios(self.policies)
+            self.choose_again([held_profile(seen, self.slots(g), rows[g.seg.to(rows.device)], ratios)
+                               for g, seen in zip(self.pool.groups, self.pool.observed)])
         return y.view(B, H, T, D)
 
-    def choose_again(self, rows):
+    def choose_again(self, profiles: list[Profile]):
         """Choose every segment's policy again, as `decide` chose it from the
-        prompt, from the attention of a chunk's last rows (at positions rows,
-        (S, R)) over what each segment holds now: each policy's recovery of it
-        and, under a budget, its cost, within the budget of what a full cache
-        will hold by the planned end. Segments stay in their groups; the next
+        prompt, from a Profile of what each group's segments hold now (a chunk's
+        last rows, or what was read again): each policy's recovery of it and,
+        under a budget, its cost, within the budget of what a full cache will
+        hold by the planned end. Segments stay in their groups; the next
         eviction asks their new policies. A policy that reads the latest
         query's attention is offered only where the pool keeps it, and a
         policy at another precision than the segment's tokens are stored at never."""
-        P, ratios = self.policies, local_ratios(self.policies)
+        P, device = self.policies, self.prompt_lens.device
         new = max(self.max_new_tokens - 1 - self.steps, 0)
         S, M = len(self.choice), len(P)
-        values = torch.zeros(S, M, device=rows.device)
-        costs = torch.zeros(S, M, dtype=torch.long, device=rows.device)
-        for g, seen in zip(self.pool.groups, self.pool.observed):  # seen: (n, R, C)
-            seg = g.seg.to(rows.device)
+        values = torch.zeros(S, M, device=device)
+        costs = torch.zeros(S, M, dtype=torch.long, device=device)
+        for g, prof in zip(self.pool.groups, profiles):
+            seg = g.seg.to(device)
             s = self.slots(g)
-            s.last = seen[:, -1]
-            prof = held_profile(seen, s, rows[seg], ratios)
+            s.last = prof.last
             s.keeps_all(P)
             values[seg] = recoveries(P, s, prof)
             growth = torch.stack([p.growth(s) for p in P], 1)
@@ -553,8 +588,10 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         q, k, v = (torch.cat([c.held[j] for c in group]) for j in range(3))
         lens = first.prompt_lens.repeat(len(group))
         if method.reread:
-            sums = reread_profile(torch.cat([c.reread for c in group]),
-                                  lens.repeat_interleave(first.n_kv_heads), banded(first.policies))
+            lens = lens.repeat_interleave(first.n_kv_heads)[:, None]  # (S, 1)
+            pos = torch.arange(k.shape[2], device=lens.device).expand(len(lens), -1)
+            sums = reread_profile(torch.cat([c.reread[0] for c in group]), pos, lens, lens,
+                                  banded(first.policies))
         elif first.every is not None:  # at prefill
             sums = Profile.cat([c.every for c in group])
         else:
@@ -704,9 +741,16 @@ def read_again(caches: list[FastGenCache], counts=None):
     tokens (B,) of each sequence it holds; with None, the reading is over:
     every layer profiles what it gave and decides."""
     if counts is None:
-        caches[0].pending.flush()
+        for c in caches:
+            c.rereading = False
+        if caches[0].pool is None:
+            caches[0].pending.flush()
+        else:
+            for c in caches:
+                c.chose_again()
         return
     for c in caches:
+        c.rereading = True
         c.counts = torch.as_tensor(counts, device=c.prompt_lens.device)
 
 

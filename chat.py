@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model import reserve
-from generation import CacheOptions, decode, dense_kv_bytes, make_caches, sample
+from generation import CacheOptions, decode, dense_kv_bytes, make_caches, read_again, sample
 from tokenizer import TokenizerError, not_utf8_at
 
 CHUNK = 512  # tokens per call when a cache takes a turn: bounds the attention matrix;
@@ -167,6 +167,10 @@ class Chat:
                 reserve(model.caches(), torch.tensor([n], device=self.device))
             pos = torch.arange(start + i, start + i + n, device=self.device)[None]
             logits = model(part, pos, logits_at=torch.tensor([n - 1], device=self.device))
+        if model.caches()[0].rereads:  # what the turn holds, chosen for the turns after it
+            read_again(model, torch.tensor([ids], device=self.device),
+                       torch.tensor([len(ids)], device=self.device),
+                       start=torch.tensor([start + len(ids)], device=self.device))
         return sample(logits[:, 0], **self.sampling)[:, None]
 
     def stats(self, fed, out, reply, prefill_s, decode_s, steps, compile_s, first, **flags) -> Turn:

@@ -70,8 +70,9 @@ def prefill_logits(model: Transformer, tokens, prompt_lens, chunk: int | None = 
             reserve(model.caches(), (prompt_lens - s).clamp(0, chunk))
         at = (prompt_lens - 1 - s).clamp(0, min(chunk, T - s) - 1)
         logits = model(tokens[:, s:s + chunk], positions[:, s:s + chunk], logits_at=at)[:, 0]
-        if not s and model.caches()[0].rereads:
-            read_again(model, tokens[:, :chunk], prompt_lens.clamp(max=chunk))
+        read = (prompt_lens - s).clamp(0, chunk)
+        if model.caches()[0].rereads and bool((read > 0).all()):
+            read_again(model, tokens[:, s:s + chunk], read, start=s + read)
         ends_here = ((prompt_lens - 1) // chunk == s // chunk)[:, None]
         last = logits if last is None else torch.where(ends_here, logits, last)
     return last
@@ -82,19 +83,21 @@ READ_AGAIN = 1024
 
 
 @torch.no_grad()
-def read_again(model: Transformer, tokens, prompt_lens, piece: int = READ_AGAIN):
-    """Read the prompts (B, T) again after themselves, in pieces of `piece`
-    tokens, each piece attending to its whole prompt and causally to itself
-    (KVzip's context reconstruction, in chunks), for a cache that chooses what
-    to keep by the attention this gives the prompt (cache.Method.reread).
-    Nothing of it is kept. A piece starts right after its prompt, or earlier
-    where it would run past the model's context."""
+def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ_AGAIN):
+    """Read again what the caches read last, tokens (B, T) of which counts (B,)
+    each sequence's, in pieces of `piece` tokens, each attending to all that
+    is held and causally to itself (KVzip's context reconstruction, in
+    chunks), for caches that choose what to keep by the attention it gives
+    (cache.Method.reread). Nothing of it is kept. A piece starts at `start`
+    (B,), the position after what was read (default: counts, a whole prompt),
+    or earlier where it would run past the model's context."""
     caches, B = model.caches(), len(tokens)
+    start = counts if start is None else start
     for s in range(0, tokens.shape[1], piece):
         part = tokens[:, s:s + piece]
-        start = prompt_lens.clamp(max=model.args.max_seq_len - part.shape[1])
-        fastgen_cache.read_again(caches, (prompt_lens - s).clamp(0, piece))
-        model(part, start[:, None] + torch.arange(part.shape[1], device=part.device),
+        at = start.clamp(max=model.args.max_seq_len - part.shape[1])
+        fastgen_cache.read_again(caches, (counts - s).clamp(0, piece))
+        model(part, at[:, None] + torch.arange(part.shape[1], device=part.device),
               logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
     fastgen_cache.read_again(caches)
 
@@ -221,8 +224,6 @@ class CacheOptions:
         need(not self.ask_after or (self.kv != "full" and not self.paper),
              "--ask-after chooses what a compressed cache keeps: add --kv fastgen (not --paper) "
              "or a fixed policy")
-        need(not (self.ask_after and self.prefill_chunk),
-             "--ask-after reads the whole prompt again: drop --prefill-chunk")
         need(not (self.paper and self.kv_budget is not None),
              "--kv-budget is the default FastGen's; the paper's method takes --recovery")
 

@@ -147,14 +147,14 @@ def flash_sums(q, k, v, lens) -> tuple[torch.Tensor, Profile] | None:
     return out, Profile(mean(col), {}, lens.repeat_interleave(K).float(), mean(last))
 
 
-def reread_sums(q, k, v, held_k, held_v, lens, counts,
+def reread_sums(q, k, v, held_k, held_v, held, counts,
                 chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """The context read again (KVzip's reconstruction): its tokens fed after it,
     each row attending to the whole context and, causally, to the rows before it.
 
     q : (B, H, R, D) the queries of the tokens read again; k, v (B, K, R, D) theirs
     held_k, held_v : (B, K, T, D) the context's keys and values
-    lens : (B,) context lengths; keys at or past them are padding
+    held : (B, T) bool, the context's keys that exist (the others are padding)
     counts : (B,) rows of each sequence read again; the others are padding
 
     Returns the attention output (B, H, R, D) and the attention each context
@@ -166,13 +166,12 @@ def reread_sums(q, k, v, held_k, held_v, lens, counts,
     keys = torch.cat([held_k, k], 2).float().transpose(-1, -2)  # (B, K, D, T + R)
     values = torch.cat([held_v, v], 2)
     cols = torch.arange(T + R, device=q.device)
-    context = cols[:T] < lens[:, None]  # (B, T) the keys that exist
     y = q.new_empty(q.shape)
     colsum = q.new_zeros(B, K, T, dtype=torch.float32)
     step = max(1, chunk_bytes // (B * H * (T + R) * 4))
     for i0 in range(0, R, step):
         r = cols[i0:min(i0 + step, R)]
-        sees = torch.cat([context[:, None].expand(B, len(r), T),  # (B, c, T + R)
+        sees = torch.cat([held[:, None].expand(B, len(r), T),  # (B, c, T + R)
                           (cols[:R] <= r[:, None]).expand(B, -1, -1)], 2)
         scores = (q[:, :, r].float() / math.sqrt(D)).reshape(B, K, G * len(r), D) @ keys
         probs = scores.view(B, K, G, len(r), T + R).masked_fill_(
@@ -183,7 +182,7 @@ def reread_sums(q, k, v, held_k, held_v, lens, counts,
     return y, (colsum / G).flatten(0, 1)
 
 
-def flash_reread_sums(q, k, v, held_k, held_v, lens, counts):
+def flash_reread_sums(q, k, v, held_k, held_v, held, counts):
     """`reread_sums` from torch's CPU flash attention, as `flash_sums` reads a
     prompt: the rows attend to the context and to themselves in two passes,
     joined by their log-sum-exps into each row's L_i; then the context's keys
@@ -197,7 +196,7 @@ def flash_reread_sums(q, k, v, held_k, held_v, lens, counts):
     K, T = held_k.shape[1:3]
     G = H // K
     ck, cv, k, v = (t.repeat_interleave(G, 1) for t in (held_k, held_v, k, v))
-    padding = torch.arange(T, device=q.device) >= lens[:, None]  # (B, T)
+    padding = ~held  # (B, T)
     mask = q.new_zeros(B, 1, 1, T).masked_fill_(padding[:, None, None], -math.inf)
     on_context, lse_c = flash(q, ck, cv, 0.0, False, attn_mask=mask)
     on_rows, lse_r = flash(q, k, v, 0.0, True)
@@ -213,16 +212,15 @@ def flash_reread_sums(q, k, v, held_k, held_v, lens, counts):
     return y, col.view(B, K, G, T).mean(2).flatten(0, 1)
 
 
-def reread_profile(colsum, lens, ratios) -> Profile:
-    """The Profile of a context read again (`reread_sums`' colsum (S, T), lens
-    (S,) each segment's context length), as one row: the attention each token
-    received over all it gave the context, so that a policy recovers its share
-    of the context's part. A question after it sits past the context's end, so
-    a Local window recovers what its last tokens received (its band)."""
+def reread_profile(colsum, pos, seen, prompt_len, ratios) -> Profile:
+    """The Profile of a context read again, as one row: the attention each
+    token received (`reread_sums`' colsum (S, C), its tokens at positions pos,
+    (S, C)) over all the context received, so that a policy recovers its share
+    of it. A question after the context sits past its last token (seen (S, 1)
+    tokens), so a Local window recovers what the newest tokens received (its
+    band), ceil(r * prompt_len) of them."""
     colsum = colsum / colsum.sum(1, keepdim=True).clamp(min=1e-12)
-    at = torch.arange(colsum.shape[1], device=colsum.device)
-    bands = {r: colsum * (at >= lens[:, None] - w[:, None])
-             for r, w in zip(ratios, shares(ratios, lens))}
+    bands = {r: colsum * (pos >= seen - w) for r, w in zip(ratios, shares(ratios, prompt_len))}
     return Profile(colsum, bands, colsum.new_ones(len(colsum)), colsum)
 
 

@@ -43,8 +43,9 @@ def test_reread_sums_are_the_attention_of_the_context_read_again(chunk_bytes):
     lens, counts = torch.tensor([11, 6]), torch.tensor([9, 4])
     held_k[1, :, 6:] = 100  # padding: junk that must not count
     want_y, want = brute_reread(q, k, v, held_k, held_v, lens, counts)
+    held = torch.arange(T) < lens[:, None]
     for fn in (lambda *a: reread_sums(*a, chunk_bytes=chunk_bytes), flash_reread_sums):
-        got = fn(q, k, v, held_k, held_v, lens, counts)
+        got = fn(q, k, v, held_k, held_v, held, counts)
         if got is None:
             continue  # no CPU flash kernel in this torch
         y, colsum = got
@@ -55,7 +56,8 @@ def test_reread_sums_are_the_attention_of_the_context_read_again(chunk_bytes):
 
 def test_reread_profile_is_a_share_of_the_context_and_local_its_end():
     colsum = torch.tensor([[4.0, 1, 1, 2, 2, 0], [1, 1, 2, 0, 0, 0]])
-    prof = reread_profile(colsum, torch.tensor([6, 3]), [0.5])
+    lens = torch.tensor([[6], [3]])
+    prof = reread_profile(colsum, torch.arange(6).expand(2, 6), lens, lens, [0.5])
     torch.testing.assert_close(prof.colsum.sum(1), torch.ones(2))
     # Local(0.5) keeps the last ceil(0.5 * len) tokens: 3 of 6, 2 of 3.
     torch.testing.assert_close(prof.bands[0.5], torch.tensor(
@@ -74,8 +76,7 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
     T = ids.shape[1]
     got = []
     monkeypatch.setattr(cache, "reread_profile",
-                        lambda colsum, lens, ratios: got.append(colsum) or reread_profile(
-                            colsum, lens, ratios))
+                        lambda colsum, *a: got.append(colsum) or reread_profile(colsum, *a))
     generate(model, ids.tolist(), 1, cache=CacheOptions("fastgen", ask_after=True),
              token_flags=None) if piece == 16 else None
     if piece != 16:  # the driver alone, in pieces
@@ -115,8 +116,43 @@ def test_ask_after_leaves_the_prompts_logits_and_the_policies():
 @pytest.mark.parametrize("options, message", [
     (dict(kv="full", ask_after=True), "--ask-after"),
     (dict(kv="fastgen", paper=True, ask_after=True), "--ask-after"),
-    (dict(kv="fastgen", prefill_chunk=64, ask_after=True), "--prefill-chunk"),
 ])
 def test_ask_after_refuses_what_it_cannot_do(options, message):
     with pytest.raises(ValueError, match=message):
         CacheOptions(**options).check()
+
+
+def test_a_chunk_read_again_is_the_attention_over_the_pool():
+    """A prompt read in two chunks: the second, read again, attends over the
+    pool (which here keeps every token) as a plain forward of the prompt and
+    the chunk again computes it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
+    ids = torch.randint(1, model.args.vocab_size, (1, 20))
+    got = []
+    real = cache.reread_profile
+
+    def spy(colsum, pos, *a):
+        if colsum.shape != (model.args.n_kv_heads * 2, 12):  # a group of the pool, not the prompt
+            by_pos = torch.zeros(len(colsum), 20)
+            got.append(by_pos.scatter_add_(1, pos.clamp(min=0).long(), colsum * (pos >= 0)))
+        return real(colsum, pos, *a)
+
+    cache.reread_profile = spy
+    try:
+        generate(model, ids.tolist(), 1, cache=CacheOptions("local", kv_budget=1.0, ask_after=True,
+                                                            prefill_chunk=12))
+    finally:
+        cache.reread_profile = real
+    recorders = [Recorder(None) for _ in model.layers]
+    model.setup_caches(recorders)
+    model(torch.cat([ids, ids[:, 12:]], 1), torch.arange(28)[None])
+    model.setup_caches(None)
+    for layer, r in enumerate(recorders):
+        q, k, _ = r.qkv
+        G = q.shape[1] // k.shape[1]
+        scores = q[0, :, 20:] @ k[0].repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(
+            q.shape[-1])
+        p = scores.masked_fill(~torch.ones(8, 28).tril(20).bool(), -math.inf).softmax(-1)
+        want = p[..., :20].sum(1).view(-1, G, 20).mean(1)  # (K, 20)
+        torch.testing.assert_close(got[layer], want, atol=1e-5, rtol=1e-4)
