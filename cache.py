@@ -538,7 +538,7 @@ class Pending:
 
     def flush(self):
         """Decide for every layer waiting, now (`every` layers at a time)."""
-        every = self.every or len(self.waiting)
+        every = self.every or max(len(self.waiting), 1)
         for i in range(0, len(self.waiting), every):
             decide(self.waiting[i:i + every])
         self.waiting = []

@@ -82,7 +82,6 @@ def prefill_logits(model: Transformer, tokens, prompt_lens, chunk: int | None = 
 READ_AGAIN = 1024
 
 
-@torch.no_grad()
 def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ_AGAIN):
     """Read again what the caches read last, tokens (B, T) of which counts (B,)
     each sequence's, in pieces of `piece` tokens, each attending to all that
