@@ -167,10 +167,8 @@ class Chat:
                 reserve(model.caches(), torch.tensor([n], device=self.device))
             pos = torch.arange(start + i, start + i + n, device=self.device)[None]
             logits = model(part, pos, logits_at=torch.tensor([n - 1], device=self.device))
-        if model.caches()[0].rereads:  # what the turn holds, chosen for the turns after it
-            read_again(model, torch.tensor([ids], device=self.device),
-                       torch.tensor([len(ids)], device=self.device),
-                       start=torch.tensor([start + len(ids)], device=self.device))
+            if model.caches()[0].rereads:  # what it keeps of the chunk, chosen for later turns
+                read_again(model, part, torch.tensor([n], device=self.device), start=pos[:, -1] + 1)
         return sample(logits[:, 0], **self.sampling)[:, None]
 
     def stats(self, fed, out, reply, prefill_s, decode_s, steps, compile_s, first, **flags) -> Turn:

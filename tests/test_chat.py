@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 import generate
 import generation
+from cache import Method
 from chat import Chat, ConversationFull
 from generate import cli
 from generation import CacheOptions, flags_of, load
+from policies import Full
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +57,18 @@ def test_compressed_cache_keeping_everything_equals_the_full_cache(tiny_ckpt):
         a, b = full.turn(text), fast.turn(text)
         assert a.fed == b.fed and a.tokens == b.tokens and b.kept_tokens == b.seen_tokens
     assert b.plan == [] and full.length == fast.length
+
+
+def test_turns_read_again_hold_nothing_of_it(tiny_ckpt, monkeypatch):
+    """--ask-after reads each chunk of a turn again; with Full on every head, the chat must
+    still give what the full cache gives: nothing read again is held."""
+    monkeypatch.setattr(generation, "fixed_method",
+                        lambda *a, reread: Method((Full(),), reread=reread))
+    monkeypatch.setattr("chat.CHUNK", 16)  # a turn in several chunks, each read again
+    full, fast = chat(tiny_ckpt, "full"), chat(tiny_ckpt, "local", ask_after=True)
+    for text in ["Hello, world", "The quick brown fox " * 12, "def f(x): return x + 1"]:
+        a, b = full.turn(text), fast.turn(text)
+        assert a.fed == b.fed and a.tokens == b.tokens and b.kept_tokens == b.seen_tokens
 
 
 def test_compressed_cache_holds_less_and_keeps_its_plan(tiny_ckpt):
