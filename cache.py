@@ -128,7 +128,9 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     ROWS prompt rows (or the prompt read again), heavy hitters by mean
     attention, each token scored over SPAN tokens and weighed by its value's norm."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
-    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=SPAN, weigh_values=True,
+    import os
+    span = int(os.environ.get("FASTGEN_SPAN", SPAN)) if reread else SPAN
+    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=span, weigh_values=True,
                   reread=reread)
 
 

@@ -82,14 +82,16 @@ def prefill_logits(model: Transformer, tokens, prompt_lens, chunk: int | None = 
 READ_AGAIN = 1024
 
 
-def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ_AGAIN):
+def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ_AGAIN,
+               decide: bool = True):
     """Read again what the caches read last, tokens (B, T) of which counts (B,)
     each sequence's, in pieces of `piece` tokens, each attending to all that
     is held and causally to itself (KVzip's context reconstruction, in
     chunks), for caches that choose what to keep by the attention it gives
     (cache.Method.reread). Nothing of it is kept. A piece starts at `start`
     (B,), the position after what was read (default: counts, a whole prompt),
-    or earlier where it would run past the model's context."""
+    or earlier where it would run past the model's context. With `decide`
+    False the caches hold what it gave until cache.read_again(caches)."""
     caches, B = model.caches(), len(tokens)
     start = counts if start is None else start
     for s in range(0, tokens.shape[1], piece):
@@ -98,7 +100,8 @@ def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ
         fastgen_cache.read_again(caches, (counts - s).clamp(0, piece))
         model(part, at[:, None] + torch.arange(part.shape[1], device=part.device),
               logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
-    fastgen_cache.read_again(caches)
+    if decide:
+        fastgen_cache.read_again(caches)
 
 
 def decode_one_token(model: Transformer, token, input_pos, **sampling):

@@ -164,6 +164,19 @@ def from_record(recorders):
         yield
 
 
+def read_again_once(model, recorders, tokens, lens):
+    """generation.read_again for the model's caches, built from `recorders`:
+    what it gives the prompt depends on the prompt alone, so a record's
+    first configuration reads it again and the others reuse it."""
+    caches, memo = model.caches(), recorders[0].sums
+    if "reread" not in memo:
+        read_again(model, tokens, lens, decide=False)
+        memo["reread"] = [c.reread for c in caches]
+    for c, got in zip(caches, memo["reread"]):
+        c.reread = got
+    fastgen_cache.read_again(caches)
+
+
 @torch.no_grad()
 def replay(model, rec, config: Config, n: int, follow=None, flags=None):
     """Build `config`'s caches from a recorded prefill and decode n tokens:
@@ -177,7 +190,7 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None):
             c(*r.qkv, input_pos, tokens)
     model.setup_caches(caches)
     if caches[0].rereads:
-        read_again(model, tokens, lens)
+        read_again_once(model, recorders, tokens, lens)
     out, pos = [last], lens[:, None]
     for i in range(n - 1):
         reserve(caches)

@@ -68,7 +68,7 @@ import torch
 from tqdm import tqdm
 
 from model import reserve
-from generation import CacheOptions, dense_kv_bytes, make_caches, read_again
+from generation import CacheOptions, dense_kv_bytes, make_caches
 from studies import evaluate
 from studies.evaluate import Config
 from studies.textdata import SOURCES, documents, prompts
@@ -322,7 +322,7 @@ def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: i
             c(*r.qkv, input_pos, tokens)
     model.setup_caches(caches)
     if caches[0].rereads:
-        read_again(model, tokens, lens)
+        evaluate.read_again_once(model, recorders, tokens, lens)
     fed = torch.zeros(B, steps, dtype=torch.long)
     teacher = torch.zeros(B, steps, dtype=torch.bool)
     for b, q in enumerate(questions):

@@ -40,6 +40,8 @@ def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("kv, options", [("fastgen", {"recovery": 0.9, "paper": True}),
                                          ("fastgen", {"kv_budget": 0.4}),
                                          ("fastgen", {"kv_budget": 0.4, "kv_bits": (16, 8, 4)}),
+                                         ("fastgen", {"kv_budget": 0.4, "ask_after": True}),
+                                         ("h2o", {"kv_budget": 0.4, "ask_after": True}),
                                          ("h2o", {"kv_budget": 0.4}), ("snapkv", {"kv_budget": 0.5}),
                                          ("tova", {"kv_budget": 0.3}), ("full", {})])
 def test_replay_equals_score(tiny_ckpt, kv, options):
