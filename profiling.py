@@ -30,8 +30,6 @@ import torch.nn.functional as F
 from policies import Policy, Slots, Union, shares
 from quant import channel_factors, dequantize, quantize, rounds
 
-import os
-REREAD = os.environ.get("FASTGEN_REREAD", "sum")
 # Prompt rows that measure what a precision costs when profiling reads every row.
 ERROR_ROWS = 32
 # Bytes of attention probabilities materialised at once while profiling.
@@ -180,11 +178,8 @@ def reread_sums(q, k, v, held_k, held_v, held, counts,
             ~sees[:, None, None], -math.inf).softmax(-1)
         y[:, :, r] = (probs.to(values.dtype) @ values[:, :, None]).view(B, H, len(r), D)
         read = (r < counts[:, None]).float()  # (B, c)
-        if REREAD == "max":
-            colsum = torch.maximum(colsum, (probs[..., :T] * read[:, None, None, :, None]).amax((2, 3)))
-        else:
-            colsum += (probs[..., :T].sum(2) * read[:, None, :, None]).sum(2)
-    return y, (colsum if REREAD == "max" else colsum / G).flatten(0, 1)
+        colsum += (probs[..., :T].sum(2) * read[:, None, :, None]).sum(2)
+    return y, (colsum / G).flatten(0, 1)
 
 
 def flash_reread_sums(q, k, v, held_k, held_v, held, counts):
@@ -212,14 +207,6 @@ def flash_reread_sums(q, k, v, held_k, held_v, held, counts):
     extra = lambda x, last: torch.cat([x.float(), last[..., None], x.new_zeros(  # noqa: E731
         *x.shape[:3], 7, dtype=torch.float32)], -1)
     rows = extra(q / math.sqrt(D), torch.where(read, -lse, -1e9))
-    if REREAD == "max":
-        most = q.new_full((B, H, T), -math.inf, dtype=torch.float32)
-        keys = ck.float().transpose(-1, -2) / math.sqrt(D)
-        gap = torch.where(read, -lse, -math.inf)[..., None]  # (B, H, R, 1)
-        for i in range(0, R, 256):
-            most = torch.maximum(most, (q[:, :, i:i + 256].float() @ keys + gap[:, :, i:i + 256]).amax(2))
-        col = most.view(B, K, G, T).amax(2).exp().masked_fill(padding[:, None], 0)
-        return y, col.flatten(0, 1)
     _, col = flash(extra(ck, torch.ones(B, H, T)), rows, rows, 0.0, False, scale=1.0)
     col = col.exp().masked_fill(padding[:, None], 0)  # (B, H, T)
     return y, col.view(B, K, G, T).mean(2).flatten(0, 1)

@@ -211,10 +211,12 @@ def peak_memory(device):
 
 
 def cache_options(spec: str) -> CacheOptions:
-    """--kv's KIND[@B[/B...]][:BUDGET], e.g. full@16 or fastgen@16/8/4:0.25."""
+    """--kv's KIND[@B[/B...]][:BUDGET][+ask], e.g. full@16, fastgen@16/8/4:0.25 or
+    fastgen:0.25+ask (with --ask-after)."""
+    spec, ask, _ = spec.partition("+ask")
     spec, _, budget = spec.partition(":")
     kind, _, bits = spec.partition("@")
-    return CacheOptions(kind, kv_budget=float(budget) if budget else None,
+    return CacheOptions(kind, kv_budget=float(budget) if budget else None, ask_after=bool(ask),
                         kv_bits=tuple(int(b) for b in bits.split("/")) if bits else None)
 
 
@@ -472,10 +474,10 @@ def parse_args(argv=None):
                    help="batch sizes; list or repeat them (default 1 8)")
     p.add_argument("--runs", type=int, default=3, help="runs per row (default 3)")
     p.add_argument("--kv", nargs="+", default=["full", "fastgen"],
-                   metavar="KIND[@B][:BUDGET]",
+                   metavar="KIND[@B][:BUDGET][+ask]",
                    help="our caches to time: a --kv kind, with its --kv-bits after @ (slashes "
-                   "between several) and its --kv-budget after a colon, e.g. full@16 fastgen@16/8/4:0.25 (default: full "
-                   "fastgen)")
+                   "between several), its --kv-budget after a colon and +ask for --ask-after, "
+                   "e.g. full@16 fastgen@16/8/4:0.25 fastgen:0.25+ask (default: full fastgen)")
     p.add_argument("--stat", choices=["median", "best"], default="median",
                    help="report the median or the fastest of the runs; best suits a machine "
                         "that other processes share (default median)")

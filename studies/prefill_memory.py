@@ -78,7 +78,8 @@ def child(job: dict) -> dict:
             peak["data"] = max(peak["data"], status()["VmData"])
 
     hook = torch.nn.modules.module.register_module_forward_hook(measure)
-    options = CacheOptions(job["kv"], kv_budget=job["budget"], prefill_chunk=job["chunk"])
+    options = CacheOptions(job["kv"], kv_budget=job["budget"], prefill_chunk=job["chunk"],
+                           ask_after=job.get("ask", False) and job["kv"] != "full")
     t0 = time.perf_counter()
     gen = generate(model, [ids], NEW_TOKENS, cache=options, token_flags=flags_of(model, tok))
     hook.remove()
@@ -121,7 +122,8 @@ def longest(job: dict, cap_mib: int, lengths: list[int]) -> dict:
 
 def kind(row: dict) -> str:
     scope = f", scope {row['scope']}" if row.get("scope") else ""
-    return "full" if row["kv"] == "full" else f"fastgen {row['budget']:g}{scope}"
+    ask = " --ask-after" if row.get("ask") else ""
+    return "full" if row["kv"] == "full" else f"fastgen {row['budget']:g}{scope}{ask}"
 
 
 def name(row: dict) -> str:
@@ -201,7 +203,8 @@ def main(argv=None):
     t0 = time.time()
     kinds = [("full", None)] + [("fastgen", b) for b in a.budgets]
     chunks = (None, a.chunk) if a.chunk else (None,)
-    jobs = [dict(ckpt=a.ckpt, kv=kv, budget=b, chunk=chunk, length=n, threads=a.threads)
+    jobs = [dict(ckpt=a.ckpt, kv=kv, budget=b, chunk=chunk, length=n, threads=a.threads,
+                 ask=a.ask_after)
             for n in a.lengths for kv, b in kinds for chunk in chunks]
     rows = [run(job) for job in tqdm(jobs, desc="runs")]
     env = "".join(f"{k}={v} " for k, v in os.environ.items() if k.startswith("MALLOC_"))
@@ -235,6 +238,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=512, help="tokens per chunk (default 512; 0: "
                    "one call only)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--ask-after", action="store_true",
+                   help="FastGen with --ask-after (the prompt read again)")
     p.add_argument("--cap-mib", type=int, help="also find the longest prompt that fits under "
                    "a data limit of this many MiB (RLIMIT_DATA)")
     p.add_argument("--cap-lengths", type=int, nargs="+",
