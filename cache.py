@@ -127,15 +127,8 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     """FastGen's default: the menu under a byte budget, profiled on the last
     ROWS prompt rows (or the prompt read again), heavy hitters by mean
     attention, each token scored over SPAN tokens and weighed by its value's norm."""
-    import os
-    policies = menu(by="mean")
-    if reread and os.environ.get("FASTGEN_NOTOVA"):
-        policies = [p for p in policies if not p.reads_last]
-    if reread and os.environ.get("FASTGEN_NOTOVA") == "static":
-        policies = [p for p in policies if not any(type(m).__name__ == "Frequent" for m in p.members())]
-    policies, bits = at_bits(policies, kv_bits)
-    span = int(os.environ.get("FASTGEN_SPAN", SPAN)) if reread else SPAN
-    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=span, weigh_values=True,
+    policies, bits = at_bits(menu(by="mean"), kv_bits)
+    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=SPAN, weigh_values=True,
                   reread=reread)
 
 
