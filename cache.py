@@ -292,9 +292,11 @@ class FastGenCache(Cache):
         groups, ratios = self.pool.groups, local_ratios(self.policies)
         profiles = []
         for g, got in zip(groups, self.reread):
-            g.block(self.pool.score).add_(got)
+            score = g.block(self.pool.score).add_(got)
+            if "last" in self.pool.fields:  # what TOVA ranks by when it next evicts
+                g.block(self.pool.last).copy_(score / score.sum(1, keepdim=True).clamp(min=1e-12))
             s = self.slots(g)
-            profiles.append(reread_profile(got, s.pos, s.seen, s.prompt_len, ratios))
+            profiles.append(reread_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len, ratios))
         self.reread = None
         if len(self.policies) > 1:
             self.choose_again(profiles)

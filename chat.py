@@ -5,7 +5,8 @@ adds after what the cache already holds is encoded and fed, so a conversation is
 twice. Every cache takes a turn in chunks of CHUNK tokens, each attending over everything
 before it. A compressed cache keeps of each chunk what its heads' policies keep
 (FastGenCache.chunk): a turn counts as read, like the first, and each chunk chooses every
-head's policy again from its last rows, so the budget holds for the whole conversation.
+head's policy again from its last rows (with --ask-after, from the chunk read again,
+generation.read_again), so the budget holds for the whole conversation.
 """
 from __future__ import annotations
 

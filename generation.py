@@ -71,7 +71,7 @@ def prefill_logits(model: Transformer, tokens, prompt_lens, chunk: int | None = 
         at = (prompt_lens - 1 - s).clamp(0, min(chunk, T - s) - 1)
         logits = model(tokens[:, s:s + chunk], positions[:, s:s + chunk], logits_at=at)[:, 0]
         read = (prompt_lens - s).clamp(0, chunk)
-        if model.caches()[0].rereads and bool((read > 0).all()):
+        if getattr(model.caches()[0], "rereads", False) and bool((read > 0).all()):
             read_again(model, tokens[:, s:s + chunk], read, start=s + read)
         ends_here = ((prompt_lens - 1) // chunk == s // chunk)[:, None]
         last = logits if last is None else torch.where(ends_here, logits, last)

@@ -52,6 +52,8 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=1500, help="document tokens (default 1500)")
     p.add_argument("--budget", type=float, default=0.5, help="FastGen's --kv-budget (default 0.5)")
     p.add_argument("--new-tokens", type=int, default=24, help="answer tokens a turn (default 24)")
+    p.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES),
+                   help="caches to run (default all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chat_recall/chat_recall")
@@ -64,7 +66,8 @@ def main(argv=None):
              for c in make_cases(tok, hay, task, a.length, (a.cases + 1 - i) // 2, a.seed)]
     random.Random(a.seed).shuffle(cases)
     rows = {}
-    for name, kw in CACHES.items():
+    for name in a.caches:
+        kw = CACHES[name]
         options = CacheOptions(**kw, kv_budget=None if kw["kv"] == "full" else a.budget)
         runs = [conversation(model, tok, flags, options, c, a.new_tokens)
                 for c in tqdm(cases, desc=name, leave=False)]

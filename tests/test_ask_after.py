@@ -130,20 +130,20 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool():
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 20))
     got = []
-    real = cache.reread_profile
+    real = cache.FastGenCache.chose_again
 
-    def spy(colsum, pos, *a):
-        if colsum.shape != (model.args.n_kv_heads * 2, 12):  # a group of the pool, not the prompt
-            by_pos = torch.zeros(len(colsum), 20)
-            got.append(by_pos.scatter_add_(1, pos.clamp(min=0).long(), colsum * (pos >= 0)))
-        return real(colsum, pos, *a)
+    def spy(self):  # what the second chunk, read again, gave each slot, laid out by position
+        for g, col in zip(self.pool.groups, self.reread):
+            pos = g.block(self.pool.pos).long()
+            got.append(torch.zeros(len(col), 20).scatter_add_(1, pos.clamp(min=0), col * (pos >= 0)))
+        return real(self)
 
-    cache.reread_profile = spy
+    cache.FastGenCache.chose_again = spy
     try:
         generate(model, ids.tolist(), 1, cache=CacheOptions("local", kv_budget=1.0, ask_after=True,
                                                             prefill_chunk=12))
     finally:
-        cache.reread_profile = real
+        cache.FastGenCache.chose_again = real
     recorders = [Recorder(None) for _ in model.layers]
     model.setup_caches(recorders)
     model(torch.cat([ids, ids[:, 12:]], 1), torch.arange(28)[None])
