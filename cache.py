@@ -26,6 +26,12 @@ policy for every head (`fixed_method`). The method, in the order it runs:
    steps would be; its last rows choose every segment's policy again
    (`choose_again`), and the next `reserve` frees what each policy lets go.
 
+With `Method.reread` (`--ask-after`), the layers wait after prefill until the
+prompt was read again (generation.read_again, `FastGenCache.read_again`):
+the attention that reading gives each prompt token is the profile, for
+questions asked after the prompt; a chunk read again chooses again
+(`chose_again`).
+
 `decide` takes several layers at once (`Pending`): the per-layer steps run
 on the layers stacked as one batch, as one layer at a time their few
 hundred small operations cost as much as the arithmetic.
