@@ -93,8 +93,8 @@ class Method:
     evict_every : int, optional
         tokens between evictions; None: half a page, at least EVICT_EVERY
     reread : bool, default False
-        profile by the context read again after it (`read_again`), not by its
-        last rows: for questions that come after compression
+        profile by the context read again after it (generation.read_again),
+        not by its last rows: for questions that come after compression
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
@@ -222,7 +222,7 @@ class FastGenCache(Cache):
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.every = None  # every row's Profile, prefill to `decide`, where it is read
-        self.rereading = False  # the next forward reads again (`read_again`)
+        self.rereading = False  # the next forward reads again (`reading_again`)
         self.reread = None  # what the tokens read again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
         rows = method.rows
@@ -260,7 +260,7 @@ class FastGenCache(Cache):
         return causal_attention(q, k, v) if out is None else out
 
     def read_again(self, q, k, v):
-        """What was read last, read again after it (`read_again` below): attend
+        """What was read last, read again after it (generation.read_again): attend
         over all that is held (the prompt before `decide`, else the pool) and,
         causally, these tokens, and add what each held token received to
         `reread`, which chooses the policies instead of the last rows read.
@@ -744,7 +744,7 @@ def evict(caches: list[FastGenCache]):
                lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
 
 
-def read_again(caches: list[FastGenCache], counts=None):
+def reading_again(caches: list[FastGenCache], counts=None):
     """Before each piece of a context read again (generation.read_again), the
     tokens (B,) of each sequence it holds; with None, the reading is over:
     every layer profiles what it gave and decides."""

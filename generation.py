@@ -91,17 +91,17 @@ def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ
     (cache.Method.reread). Nothing of it is kept. A piece starts at `start`
     (B,), the position after what was read (default: counts, a whole prompt),
     or earlier where it would run past the model's context. With `decide`
-    False the caches hold what it gave until cache.read_again(caches)."""
+    False the caches hold what it gave until cache.reading_again(caches)."""
     caches, B = model.caches(), len(tokens)
     start = counts if start is None else start
     for s in range(0, tokens.shape[1], piece):
         part = tokens[:, s:s + piece]
         at = start.clamp(max=model.args.max_seq_len - part.shape[1])
-        fastgen_cache.read_again(caches, (counts - s).clamp(0, piece))
+        fastgen_cache.reading_again(caches, (counts - s).clamp(0, piece))
         model(part, at[:, None] + torch.arange(part.shape[1], device=part.device),
               logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
     if decide:
-        fastgen_cache.read_again(caches)
+        fastgen_cache.reading_again(caches)
 
 
 def decode_one_token(model: Transformer, token, input_pos, **sampling):

@@ -174,7 +174,7 @@ def read_again_once(model, recorders, tokens, lens):
         memo["reread"] = [c.reread for c in caches]
     for c, got in zip(caches, memo["reread"]):
         c.reread = got
-    fastgen_cache.read_again(caches)
+    fastgen_cache.reading_again(caches)
 
 
 @torch.no_grad()
