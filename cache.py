@@ -30,7 +30,7 @@ With `Method.reread` (`--ask-after`), the layers wait after prefill until the
 prompt was read again (generation.read_again, `FastGenCache.read_again`):
 the attention that reading gives each prompt token is the profile, for
 questions asked after the prompt; a chunk read again chooses again
-(`chose_again`).
+(`choose_from_reading`).
 
 `decide` takes several layers at once (`Pending`): the per-layer steps run
 on the layers stacked as one batch, as one layer at a time their few
@@ -233,10 +233,10 @@ class FastGenCache(Cache):
         return self.method.reread
 
     def forward(self, q, k, v, input_pos, tokens):
-        if self.pool is None:
-            return self.read_again(q, k, v) if self.rereading else self.prefill(q, k, v, tokens)
         if self.rereading:
             return self.read_again(q, k, v)
+        if self.pool is None:
+            return self.prefill(q, k, v, tokens)
         if q.shape[2] > 1 or self.clock.chunk:
             return self.chunk(q, k, v, input_pos, tokens)
         return self.decode(q, k, v, input_pos, tokens)
@@ -292,7 +292,7 @@ class FastGenCache(Cache):
         self.profile_s += _clock(q.device) - t0
         return y
 
-    def chose_again(self):
+    def choose_from_reading(self):
         """After what was read last was read again: each held token's score gains
         what it received, and every segment's policy is chosen again from it."""
         groups, ratios = self.pool.groups, local_ratios(self.policies)
@@ -755,7 +755,7 @@ def reading_again(caches: list[FastGenCache], counts=None):
             caches[0].pending.flush()
         else:
             for c in caches:
-                c.chose_again()
+                c.choose_from_reading()
         return
     for c in caches:
         c.rereading = True

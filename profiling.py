@@ -114,6 +114,14 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    (lens - first).repeat_interleave(K).float(), (last / G).view(B * K, T))
 
 
+def with_coordinate(x, last) -> torch.Tensor:
+    """x (B, H, N, D) in float32 with `last` (B, H, N) as an extra coordinate,
+    then zeros to a multiple of 8 (the flash kernel's vector width): a key's
+    1 against a row's -L_i adds the row's log-sum-exp to every score."""
+    return torch.cat([x.float(), last[..., None], x.new_zeros(*x.shape[:3], 7,
+                                                             dtype=torch.float32)], -1)
+
+
 def flash_sums(q, k, v, lens) -> tuple[torch.Tensor, Profile] | None:
     """The prompt's causal attention (B, H, T, D), as the prefill's, and every
     row's `attention_sums(q, k, lens)` (colsum and last row), from two passes
@@ -133,10 +141,8 @@ def flash_sums(q, k, v, lens) -> tuple[torch.Tensor, Profile] | None:
     out, lse = flash(q, ke, ve, 0.0, True)  # (B, H, T, D), (B, H, T) float32
     padding = torch.arange(T, device=q.device) >= lens[:, None, None]  # (B, 1, T)
     lse = lse.masked_fill(padding, 1e9)
-    # An extra coordinate, then zeros to a multiple of 8 (the kernel's vector width).
-    pad = lambda x, last: torch.cat([x.float(), last[..., None], x.new_zeros(  # noqa: E731
-        B, H, T, 7, dtype=torch.float32)], -1).flip(2)
-    keys, rows = pad(ke, torch.ones_like(lse)), pad(q.float() / math.sqrt(D), -lse)
+    keys = with_coordinate(ke, torch.ones_like(lse)).flip(2)
+    rows = with_coordinate(q / math.sqrt(D), -lse).flip(2)
     _, col = flash(keys, rows, rows, 0.0, True, scale=1.0)  # (B, H, T) reversed
     col = col.flip(2).exp().masked_fill(padding, 0)
     b = torch.arange(B, device=q.device)
@@ -204,10 +210,8 @@ def flash_reread_sums(q, k, v, held_k, held_v, held, counts):
     y = (on_context * (lse_c - lse).exp()[..., None].to(q.dtype)
          + on_rows * (lse_r - lse).exp()[..., None].to(q.dtype))
     read = torch.arange(R, device=q.device) < counts[:, None, None]  # (B, 1, R)
-    extra = lambda x, last: torch.cat([x.float(), last[..., None], x.new_zeros(  # noqa: E731
-        *x.shape[:3], 7, dtype=torch.float32)], -1)
-    rows = extra(q / math.sqrt(D), torch.where(read, -lse, -1e9))
-    _, col = flash(extra(ck, torch.ones(B, H, T)), rows, rows, 0.0, False, scale=1.0)
+    rows = with_coordinate(q / math.sqrt(D), torch.where(read, -lse, -1e9))
+    _, col = flash(with_coordinate(ck, torch.ones(B, H, T)), rows, rows, 0.0, False, scale=1.0)
     col = col.exp().masked_fill(padding[:, None], 0)  # (B, H, T)
     return y, col.view(B, K, G, T).mean(2).flatten(0, 1)
 

@@ -130,7 +130,7 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool():
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 20))
     got = []
-    real = cache.FastGenCache.chose_again
+    real = cache.FastGenCache.choose_from_reading
 
     def spy(self):  # what the second chunk, read again, gave each slot, laid out by position
         for g, col in zip(self.pool.groups, self.reread):
@@ -138,12 +138,12 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool():
             got.append(torch.zeros(len(col), 20).scatter_add_(1, pos.clamp(min=0), col * (pos >= 0)))
         return real(self)
 
-    cache.FastGenCache.chose_again = spy
+    cache.FastGenCache.choose_from_reading = spy
     try:
         generate(model, ids.tolist(), 1, cache=CacheOptions("local", kv_budget=1.0, ask_after=True,
                                                             prefill_chunk=12))
     finally:
-        cache.FastGenCache.chose_again = real
+        cache.FastGenCache.choose_from_reading = real
     recorders = [Recorder(None) for _ in model.layers]
     model.setup_caches(recorders)
     model(torch.cat([ids, ids[:, 12:]], 1), torch.arange(28)[None])
