@@ -50,7 +50,7 @@ from policies import Full, Policy, Slots, baseline, menu, shortlist
 from profiling import (Profile, attention_sums, choose, fit_budgets, flash_reread_sums, flash_sums,
                        held_profile, local_ratios, precision_errors, prompt_slots, recoveries,
                        reread_profile, reread_sums, squared_losses, weigh)
-from quant import rounds, token_bytes
+from quant import rounds, token_bytes, window_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
@@ -430,10 +430,10 @@ class FastGenCache(Cache):
                 values[seg[:, None], other] = -math.inf
         if "last" not in self.pool.fields:  # not offered: no policy may read what is not kept
             values[:, [i for i, p in enumerate(P) if p.reads_last]] = -math.inf
-        unit, full_unit = self.token_bytes()
+        unit, window, full_unit = self.token_bytes()
         if self.errors is not None:
             values = values - self.errors
-        costs = costs * unit
+        costs = costs * unit + window
         self.recovery = values
         heads = self.pending.heads
         if self.method.kv_budget is None:
@@ -476,17 +476,20 @@ class FastGenCache(Cache):
         remaining = self.max_new_tokens - 1 - self.steps
         return min(E - self.clock.since % E, remaining) if remaining > 0 else E
 
-    def token_bytes(self) -> tuple[torch.Tensor, int]:
-        """What a kept token costs under each policy, (M,), and in a full cache:
-        with `bits`, the bytes of its key and value and of its slot's other
-        fields (a full cache's, K and V in 16 bits); else 1 and 1, a budget
-        counted in tokens."""
-        M = len(self.policies)
+    def token_bytes(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What a kept token costs under each policy, (M,), what a segment pays
+        besides, (M,), and what a token costs in a full cache: with `bits`, the
+        bytes of its key and value and of its slot's other fields, a rounding
+        head's window (quant.window_bytes), and a full cache's K and V in 16
+        bits; else 1, 0 and 1, a budget counted in tokens."""
+        M, device = len(self.policies), self.prompt_lens.device
         if self.bits is None:
-            return torch.ones(M, dtype=torch.long, device=self.prompt_lens.device), 1
+            return torch.ones(M, dtype=torch.long, device=device), torch.zeros(
+                M, dtype=torch.long, device=device), 1
         D, slot = self.head_dim, pool.slot_bytes(any(p.reads_last for p in self.policies))
-        return torch.tensor([token_bytes(b, D) + slot for b in self.bits],
-                            device=self.prompt_lens.device), token_bytes(16, D)
+        unit = torch.tensor([token_bytes(b, D) + slot for b in self.bits], device=device)
+        return unit, torch.tensor([window_bytes(b, D) for b in self.bits],
+                                  device=device), token_bytes(16, D)
 
     @staticmethod
     def reserve(caches: list[FastGenCache], tokens=1):
@@ -635,8 +638,8 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         c.choice = choose(r, c.method.recovery) if c.method.kv_budget is None else None
     if first.method.kv_budget is not None:
         new = first.max_new_tokens - 1
-        unit, full_unit = first.token_bytes()  # a budget in tokens, or in bytes with `bits`
-        costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit).view(L, -1, M)
+        unit, window, full_unit = first.token_bytes()  # in tokens, or in bytes with `bits`
+        costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
         values = squared_losses(recovery)
         if heads is not None:  # tensor parallel: every rank solves for every head
             values, costs = heads.gather(values), heads.gather(costs)

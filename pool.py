@@ -31,7 +31,9 @@ Each group stores its keys and values at its policy's precision (quant.py):
 the groups of one precision sit together as a *part* of the pages, whose K
 and V live in tensors of their own (K and V in the model's dtype or float16,
 or codes with their scales and minima), read back in the model's dtype when
-attended. Only the paged layout holds quantized parts.
+attended. Only the paged layout holds quantized parts. A part that rounds
+also keeps each segment's newest WINDOW tokens in 16 bits (its *window*),
+read instead of their codes while they are held.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-from quant import channel_factors, dequantize, quantize, rounds, storage_dtype
+from quant import WINDOW, channel_factors, dequantize, quantize, rounds, storage_dtype
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments
 # in a group, N pages, P slots per page, C slots per segment in a group,
@@ -74,6 +76,13 @@ def slot_bytes(reads_last: bool) -> int:
     (float32), flags (uint8) and, for a policy that reads it, the latest
     query's attention (float32)."""
     return 4 + 4 + 1 + 4 * reads_last
+
+
+def window(bits: int) -> list[str]:
+    """The tensors a rounding part keeps its segments' windows in: K (divided by
+    the key factors) and V in 16 bits (n, WINDOW, D), and each entry's position
+    (-1: none) and slot (n, WINDOW)."""
+    return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
 
 
 def stored(bits: int | None) -> list[str]:
@@ -254,6 +263,14 @@ class Pool(nn.Module, abc.ABC):
             for name, t in self.encode(bits, k[at], v[at], slot_seg[at]).items():
                 t = self.keys(t) if name == "k" else t.view(-1, P, *t.shape[1:])
                 self.register_buffer(name, t, persistent=False)
+            if rounds(bits):  # the window starts with the newest tokens kept of the prompt
+                segs, slots = self.rows_of(bits)
+                width = min(WINDOW, slots.shape[1])  # no wider than a segment's row
+                for name, t in zip(window(bits), self.window_entries(len(segs), width, k)):
+                    self.register_buffer(name, t, persistent=False)
+                at = slots.clamp(min=0)
+                pos = self.pos.view(-1)[at].masked_fill(slots < 0, -1)
+                self.remember(bits, segs, k[at], v[at], pos, at)
         self.hide()
         self.mark_dynamic()
 
@@ -269,12 +286,22 @@ class Pool(nn.Module, abc.ABC):
         return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
 
     def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
-        """A part's K as (n, D, P) and V as (n, P, D) pages, in the model's dtype."""
+        """A part's K as (n, D, P) and V as (n, P, D) pages, in the model's dtype;
+        a rounding part's window read instead of its codes where still held."""
         if not rounds(bits):
             return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
         codes = [getattr(self, name) for name in stored(bits)]
-        k = dequantize(*codes[:3], bits, self.dtype)  # (n, P, D)
-        return k.transpose(1, 2), dequantize(*codes[3:], bits, self.dtype)
+        k, v = dequantize(*codes[:3], bits, self.dtype), dequantize(*codes[3:], bits, self.dtype)
+        wk, wv, pos, slot = (getattr(self, name) for name in window(bits))
+        # An entry whose token was evicted, or whose slot another took, reads nothing.
+        held = (self.pos.view(-1)[slot] == pos) & (pos >= 0)  # (n, WINDOW)
+        first = self.part_start[self.precisions.index(bits)] if self.part_rows else 0
+        at = torch.where(held, slot - first, 0).view(-1)
+        for x, w in ((k, wk), (v, wv)):  # x + (w - x) at the window's slots: w
+            rows = x.view(-1, x.shape[-1])
+            change = w.view(-1, w.shape[-1]).to(x.dtype) - rows.index_select(0, at)
+            rows.index_add_(0, at, change.masked_fill_(~held.view(-1, 1), 0))
+        return k.transpose(1, 2), v
 
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (N, D, P) and V (N, P, D) of every part, in the model's dtype."""
@@ -308,6 +335,13 @@ class Pool(nn.Module, abc.ABC):
                 else:
                     dest = getattr(self, name)
                     dest.view(-1, dest.shape[-1]).index_copy_(0, at, t.view(-1, dest.shape[-1]))
+            if rounds(bits):
+                segs = torch.arange(len(self.dest), device=slot.device) if segs is None else segs
+                n, D = len(segs), k.shape[-1]
+                ps = pos if rows is None else pos.index_select(0, rows)
+                slots = slot if rows is None else slot.index_select(0, rows)
+                self.remember(bits, segs, ks.view(n, per, D), vs.view(n, per, D),
+                              ps.view(n, per), slots.view(n, per))
 
     def add_scores(self, last):
         """The attention each slot got from the latest query, (N, P)."""
@@ -356,6 +390,50 @@ class Pool(nn.Module, abc.ABC):
                 block = g.block(self.last)
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
         return y
+
+    # --- The window: each rounding segment's newest tokens, also in 16 bits ----------
+
+    def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
+        """A part's segments (n,) and each one's slots, (n, C) padded with -1."""
+        segs = (getattr(self, f"rows{bits}") if self.part_rows
+                else torch.arange(len(self.dest), device=self.dest.device))
+        start, width = self.start.index_select(0, segs), self.width.index_select(0, segs)
+        cols = torch.arange(int(width.max()), device=segs.device)
+        return segs, (start[:, None] + cols).masked_fill_(cols >= width[:, None], -1)
+
+    @staticmethod
+    def window_entries(n: int, width: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """n segments' windows of `width` entries, empty: K, V, positions (-1), slots."""
+        D, dtype, device = like.shape[-1], storage_dtype(16, like.dtype), like.device
+        return [torch.zeros(n, width, D, dtype=dtype, device=device),
+                torch.zeros(n, width, D, dtype=dtype, device=device),
+                torch.full((n, width), -1, dtype=torch.int32, device=device),
+                torch.zeros(n, width, dtype=torch.long, device=device)]
+
+    def remember(self, bits, segs, k, v, pos, slot):
+        """The segments segs (n,) held tokens k, v (n, c, D) at positions pos and
+        slots slot (n, c): each segment's window keeps the newest of what it had
+        and these, as many as it has entries."""
+        k = k / self.key_factors.index_select(0, segs)[:, None].to(k.dtype)
+        names = window(bits)
+        new = (k, v, pos.to(torch.int32), slot)
+        both = [torch.cat([getattr(self, name), x.to(getattr(self, name).dtype)], 1)
+                for name, x in zip(names, new)]
+        top = both[2].topk(getattr(self, names[2]).shape[1], dim=1).indices  # (n, width)
+        for name, t in zip(names, both):
+            at = top.view(*top.shape, *[1] * (t.dim() - 2)).expand(*top.shape, *t.shape[2:])
+            getattr(self, name).copy_(t.gather(1, at))
+
+    def relink(self):
+        """After the slots moved (`widen`, `compact`): each window entry pointed
+        at its token's new slot or, where the token is gone, at its segment's
+        first slot, which cannot hold its position (it stays in the window)."""
+        for bits in filter(rounds, self.precisions):
+            _, _, pos, slot = (getattr(self, name) for name in window(bits))
+            _, slots = self.rows_of(bits)
+            held = self.pos.view(-1)[slots.clamp(min=0)].masked_fill(slots < 0, -1)  # (n, C)
+            match = (held[:, None] == pos[..., None]) & (pos[..., None] >= 0)  # (n, WINDOW, C)
+            slot.copy_(slots.gather(1, match.int().argmax(-1)))  # slot 0 of the row if none
 
     # --- Between steps -----------------------------------------------------------
 
@@ -409,6 +487,7 @@ class Pool(nn.Module, abc.ABC):
             setattr(self, name, self.from_pages(name, torch.cat(ts)))
         self.n_growths += len(grow)
         self.place()
+        self.relink()
         self.hide()
         self.mark_dynamic()
 
@@ -441,6 +520,7 @@ class Pool(nn.Module, abc.ABC):
             rows = self.keys(rows) if name == "k" else rows.view(-1, P, *rows.shape[1:])
             setattr(self, name, rows)
         self.place()
+        self.relink()
         self.hide()
         self.mark_dynamic()
 
@@ -451,7 +531,8 @@ class Pool(nn.Module, abc.ABC):
     def nbytes(self) -> int:
         """Bytes really held: the slots' fields and every index tensor."""
         names = (*self.fields, *self.STATE, *self.part_rows,
-                 *(["key_factors"] if self.rounds_keys else []))
+                 *(["key_factors"] if self.rounds_keys else []),
+                 *(name for b in filter(rounds, self.precisions) for name in window(b)))
         return sum(getattr(self, name).nbytes for name in names)
 
     def kept(self) -> int:

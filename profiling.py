@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from policies import Policy, Slots, Union, shares
-from quant import channel_factors, dequantize, quantize, rounds
+from quant import WINDOW, channel_factors, dequantize, quantize, rounds
 
 # Prompt rows that measure what a precision costs when profiling reads every row.
 ERROR_ROWS = 32
@@ -328,14 +328,16 @@ def held_profile(probs, held: Slots, rows, ratios) -> Profile:
                    probs[:, -1])
 
 
-def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None) -> torch.Tensor:
+def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """(B * K, len(bits)): what storing each segment's keys and values in `bits`
     costs the last `rows` prompt rows read (None: the last ERROR_ROWS): the attention
     mass its rounded keys move (half the L1 distance between the attention
     rows, 0 to 1) plus the share of the attention output its rounded values
     change, |A (V_b - V)| / |A V|, averaged over the rows and the G query heads
     of each KV head. The paper's criterion, |A - softmax(Q K_C^T)| <= 1 - T,
-    for a compression C that rounds instead of dropping. 16 bits costs nothing.
+    for a compression C that rounds instead of dropping. 16 bits costs nothing,
+    and neither do the newest `window` tokens (None: WINDOW), kept in 16 bits.
 
     q: (B, H, T', D) the queries of the last T' rows, k and v (B, K, T, D)."""
     B, K, T, D = k.shape
@@ -360,12 +362,14 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None) ->
     prompt = (torch.arange(T, device=k.device) < lens[:, None]).repeat_interleave(K, 0)
     factors = channel_factors(k.reshape(B * K, T, D), prompt).view(B, K, 1, D)
     weight = read[:, None, None].float()  # (B, 1, 1, R): the rows read
+    newest = (torch.arange(T, device=k.device) >= lens[:, None] - (
+        WINDOW if window is None else window))[:, None, :, None]  # (B, 1, T, 1)
     n = (read.sum(1).clamp(min=1) * G)[:, None]  # (B, 1)
     for i, b in enumerate(bits):
         if not rounds(b):
             continue
         kb = dequantize(*quantize(k / factors, b), b) * factors  # as the pool rounds them
-        vb = dequantize(*quantize(v, b), b)
+        kb, vb = kb.where(~newest, k), dequantize(*quantize(v, b), b).where(~newest, v)
         moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)
         changed = (a @ (vb - v)[:, :, None]).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-6)
         out[:, i] = (((moved + changed) * weight).sum((2, 3)) / n).view(-1)
@@ -423,7 +427,8 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
     dynamic programming over the budget, exact while the budget is at most
     `resolution` tokens; above, costs are counted in units of
     ceil(budget / resolution) tokens, rounded up, so the choice stays within
-    the budget. When even the cheapest items do not fit, the cheapest."""
+    the budget. When even the cheapest items do not fit, the cheapest (of
+    those worth more than -inf, which are never taken otherwise)."""
     return fit_budgets(values[None], costs[None], [budget], resolution)[0]
 
 
@@ -443,8 +448,10 @@ def fit_budgets(values: torch.Tensor, costs: torch.Tensor, budgets: list[int],
     L, S, M = values.shape
     device = costs.device
     costs, values = costs.cpu(), values.cpu().double()
-    cheapest = costs.argmin(2)  # where even the cheapest items do not fit
-    over = costs.min(2).values.sum(1) > torch.tensor(budgets)
+    # Where even the cheapest items do not fit: the cheapest of those worth more than -inf.
+    offered = costs.where(values > -math.inf, int(costs.max()) + 1)
+    cheapest = offered.argmin(2)
+    over = offered.min(2).values.sum(1) > torch.tensor(budgets)
     units = [-(-b // resolution) if b > 0 else 1 for b in budgets]
     costs = -(-costs // torch.tensor(units)[:, None, None])
     left = torch.tensor([b // u for b, u in zip(budgets, units)])

@@ -19,6 +19,11 @@ a few key channels are far larger than the rest, and would otherwise set the
 scale of every group they fall in. The factors, one float32 per channel and
 head, are kept at full precision; values are rounded as they are.
 
+A head that rounds also keeps its newest WINDOW tokens in 16 bits (pool.py's
+window), as KIVI and HF transformers' quantized cache do: the newest tokens
+draw the most attention, and a token written leaves the window when WINDOW
+newer ones came. Its bytes are counted and priced (`window_bytes`).
+
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.
 """
@@ -33,6 +38,9 @@ import torch
 # bytes at 4 bits (studies/README.md).
 GROUP = 32
 BITS = (16, 8, 4, 2)
+# Newest tokens a rounding head also keeps in 16 bits (pool.window), chosen by
+# KL per byte of the uniform 4-bit cache (studies/README.md, quant_grouping).
+WINDOW = 32
 
 
 def channel_factors(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -101,3 +109,9 @@ def token_bytes(bits: int, head_dim: int, group: int = GROUP) -> int:
     if bits == 16:
         return 2 * 2 * head_dim
     return 2 * (head_dim * bits // 8 + 2 * 2 * (head_dim // math.gcd(group, head_dim)))
+
+
+def window_bytes(bits: int, head_dim: int) -> int:
+    """Bytes a head's window takes at `bits`: WINDOW keys and values in 16
+    bits, each entry's position (int32) and slot (int64); none unrounded."""
+    return WINDOW * (token_bytes(16, head_dim) + 4 + 8) if rounds(bits) else 0

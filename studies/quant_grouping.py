@@ -14,9 +14,11 @@ heads, rows and windows:
 Ways: per token, groups of 16, 32 or 64 numbers along the head dimension;
 per channel, groups of 32 tokens for each channel, for keys and values or, as
 KIVI does, for keys only (values per token); each key channel scaled before
-rounding per token; and with the last 128 tokens of the window kept in 16
-bits, as KIVI and HF transformers' quantized cache keep their newest tokens
-(bytes then averaged over the window).
+rounding per token; every key and value rotated by a fixed orthonormal
+matrix first (Hadamard or random, as rotation methods such as QuaRot spread
+outlier channels); and with the last 16 to 128 tokens of the window kept in
+16 bits, as KIVI and HF transformers' quantized cache keep their newest
+tokens (bytes then averaged over the window).
 
     python -m studies.quant_grouping --out results/quant/grouping
 """
@@ -43,6 +45,26 @@ def smoothed(x, bits, group, alpha=0.5):
     precision): keys have a few channels far larger than the rest."""
     c = x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** alpha
     return per_token(x / c, bits, group) * c
+
+
+def hadamard(D: int) -> torch.Tensor:
+    """A (D, D) orthonormal Hadamard matrix (D a power of two)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < D:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(D)
+
+
+def random_rotation(D: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(D, D, generator=g))[0]
+
+
+def rotated(x, bits, group, rotation="hadamard"):
+    """Per token, after rotating every vector by a fixed orthonormal matrix R
+    (rounded x R, read back times R^T): outlier channels spread over all."""
+    r = hadamard(x.shape[-1]) if rotation == "hadamard" else random_rotation(x.shape[-1])
+    return per_token(x @ r, bits, group) @ r.T
 
 
 def per_channel(x, bits, tokens):
@@ -96,6 +118,15 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
     ways["per token, groups of 32, channels scaled (alpha 0.5), newest 128 in 16 bits"] = (
         smoothed, per_token, 32, 128)
     ways["KIVI, newest 128 in 16 bits"] = (per_channel, per_token, 32, 128)
+    for g in (32, 64):
+        ways[f"rotated (Hadamard), keys and values, groups of {g}"] = (rotated, rotated, g, 0)
+        ways[f"rotated (random), keys and values, groups of {g}"] = (
+            lambda x, b, g: rotated(x, b, g, "random"),) * 2 + (g, 0)
+    ways["rotated (Hadamard) keys, values per token, groups of 32"] = (rotated, per_token, 32, 0)
+    for w in (16, 32, 64):
+        ways[f"rotated (Hadamard), groups of 32, newest {w} in 16 bits"] = (rotated, rotated, 32, w)
+        ways[f"per token, groups of 32, channels scaled (alpha 0.5), newest {w} in 16 bits"] = (
+            smoothed, per_token, 32, w)
     table = {}
     with torch.no_grad():
         recorders = record(model, texts)[0]

@@ -27,8 +27,9 @@ from cache import FastGenCache
 from model import Cache
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       Union)
+from pool import window as window_tensors
 from profiling import attention_sums, local_ratios, weigh
-from quant import channel_factors, dequantize, quantize
+from quant import channel_factors, dequantize, quantize, rounds
 
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
@@ -206,6 +207,9 @@ class Reference:
                       for b, L in enumerate(self.lens)]
         self.k, self.v, self.score, self.kept, self.policy = {}, {}, {}, {}, {}
         self.first, self.prompt_keep, self.factors = {}, {}, {}
+        # A rounding segment's newest WINDOW positions since compression, and every
+        # token in 16 bits: those of the window that it still holds are read so.
+        self.k16, self.v16, self.window, self.width = {}, {}, {}, {}
         self.recovery = torch.zeros(B * K, len(self.policies), dtype=torch.float64)
         self.choice = []
         self.dropped = 0  # held tokens let go later, all segments together
@@ -239,11 +243,14 @@ class Reference:
                 self.factors[s] = channel_factors(k[b, h, None, :L], every)[0]
                 self.stored[s] = None if self.bits is None else self.bits[self.choice[s]]
                 self.k[s], self.v[s] = self.rounded(s, kk, key=True), self.rounded(s, vv)
+                self.k16[s], self.v16[s] = self.rounded(s, kk, True, 16), self.rounded(s, vv, bits=16)
                 for i, p in enumerate(self.policies):
                     self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], score,
                                                   state.prompt_kept[s][i], first, last)
                 self.policy[s] = self.policies[self.choice[s]]
                 self.kept[s] = self.prompt_keep[s, self.choice[s]]
+                self.width[s] = state.window[s]
+                self.window[s] = set(sorted(self.kept[s])[max(len(self.kept[s]) - self.width[s], 0):])
                 self.score[s] = {j: score[j] for j in self.kept[s]}
         self.prompt_choice = list(self.choice)  # the plan of the prompt, before any chunk
         # The cache keeps the latest query's attention where a policy of its plan reads it.
@@ -262,11 +269,13 @@ class Reference:
                                       cheapest + new * len(cost) * max(unit))
         return y
 
-    def rounded(self, s, x, key=False):
-        """x (n, D) as segment s's precision stores and reads it, in float64."""
-        b = self.stored[s]
+    def rounded(self, s, x, key=False, bits=None):
+        """x (n, D) as segment s's precision (or `bits`) stores and reads it, in float64."""
+        b = bits or self.stored[s]
         if b is None:
             return x.double()
+        if b == 16 and key and rounds(self.stored[s]):  # a rounding segment's window
+            return ((x.float() / self.factors[s]).half().float() * self.factors[s]).double()
         if b == 16:
             return x.float().half().double()
         if key:  # keys: each channel divided by its factor first
@@ -313,12 +322,20 @@ class Reference:
             s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
             self.k[s] = torch.cat([self.k[s], self.rounded(s, k[h, None], key=True)])  # (p + 1, D)
             self.v[s] = torch.cat([self.v[s], self.rounded(s, v[h, None])])
+            self.k16[s] = torch.cat([self.k16[s], self.rounded(s, k[h, None], True, 16)])
+            self.v16[s] = torch.cat([self.v16[s], self.rounded(s, v[h, None], bits=16)])
+            if self.width[s]:
+                self.window[s] = set(sorted(self.window[s] | {p})[-self.width[s]:])
             self.kept[s] = self.kept[s] | {p}
             mask = torch.zeros(p + 1, dtype=torch.bool)
             mask[sorted(self.kept[s])] = True
-            logits = q[heads].double() @ self.k[s].T / math.sqrt(D)  # (G, p + 1)
+            keys, values = self.k[s].clone(), self.v[s].clone()
+            if rounds(self.stored[s]):
+                at = sorted(j for j in self.window[s] if j <= p)
+                keys[at], values[at] = self.k16[s][at], self.v16[s][at]
+            logits = q[heads].double() @ keys.T / math.sqrt(D)  # (G, p + 1)
             probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
-            y[heads] = probs @ self.v[s]
+            y[heads] = probs @ values
             self.last[s] = probs.mean(0).tolist()
             self.score[s] = {j: self.score[s].get(j, 0.0) + self.last[s][j] for j in self.kept[s]}
         return y
@@ -351,6 +368,12 @@ class Reference:
         # Segment -> (position, the attention it gave each position) of the rows observed.
         self.observed = {s: [] for s in self.kept}
         y = torch.zeros(B, H, T, D, dtype=torch.float64)
+        # The chunk is written at once: its queries read the window as the whole chunk left it.
+        for s, width in self.width.items():
+            b = s // self.K
+            if width:
+                new = input_pos[b, :int(counts[b])].tolist()
+                self.window[s] = set(sorted(self.window[s] | set(new))[-width:])
         for b in range(B):
             for t in range(int(counts[b])):
                 p = int(input_pos[b, t])
@@ -416,6 +439,12 @@ class State:
         # The slot each segment's next token goes to, and whether it is free and its own.
         flat = cache.pool.pos.view(-1)
         owner = cache.pool.owner.repeat_interleave(cache.page)
+        # Each segment's window entries (pool.window; 0 where its part does not round).
+        self.window = [0] * S
+        for bits in filter(rounds, cache.pool.precisions):
+            segs, _ = cache.pool.rows_of(bits)
+            for s in segs.tolist():
+                self.window[s] = getattr(cache.pool, window_tensors(bits)[2]).shape[1]
         self.dest_ok = [j < len(flat) and bool(flat[j] < 0 and owner[j] == s)
                         for s, j in enumerate(cache.pool.dest.tolist())]
         # A chunk's: every slot handed out for it free and its own, none twice.
@@ -501,7 +530,7 @@ class CheckedCache(Cache):
             self.ref.evict_every = self.cache.evict_every  # the default is set at prefill
             state.prompt_kept = kept
             if self.cache.bits is not None:
-                unit, full = self.cache.token_bytes()
+                unit, _, full = self.cache.token_bytes()  # (the windows left out)
                 self.ref.units = unit.tolist(), full
             expected = self.ref.prefill(q, k, v, tokens, state)
             # A precision's error (profiling.precision_errors, tested apart) comes off the recovery.

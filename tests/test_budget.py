@@ -85,3 +85,12 @@ def test_the_cache_s_knapsack_minimizes_squared_losses(monkeypatch):
     recovery = torch.cat([c.recovery for c in caches])
     assert not torch.allclose(values, recovery)
     torch.testing.assert_close(values, squared_losses(recovery))
+
+
+def test_a_budget_too_small_takes_the_cheapest_item_a_segment_may_take():
+    """Under a budget that even the cheapest items pass, each segment takes its
+    cheapest item worth more than -inf: never one it may not take (a policy at
+    another precision than its tokens are stored at), however cheap."""
+    values = torch.tensor([[-math.inf, -0.5, 0.0], [-0.1, -math.inf, 0.0]])
+    costs = torch.tensor([[1, 5, 9], [4, 2, 9]])
+    assert fit_budget(values, costs, 3).tolist() == [1, 0]

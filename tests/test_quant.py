@@ -10,6 +10,8 @@ import torch
 
 import cache as cache_module
 import pool
+import profiling
+import quant
 from cache import Method, fastgen_caches
 from generation import CacheOptions, generate, make_caches
 from model import reserve
@@ -58,7 +60,7 @@ def test_precision_errors_equal_brute_force():
     B, K, G, T, D, rows = 2, 2, 3, 20, 64, 6
     q, k, v = (torch.randn(B, n, T, D, generator=g) for n in (K * G, K, K))
     lens = torch.tensor([20, 13])
-    got = precision_errors(q, k, v, lens, [16, 8, 4], rows)
+    got = precision_errors(q, k, v, lens, [16, 8, 4], rows, window=4)
     assert (got[:, 0] == 0).all() and (got[:, 1] < got[:, 2]).all()
     for b, L in enumerate(lens.tolist()):
         for h in range(K):
@@ -66,6 +68,7 @@ def test_precision_errors_equal_brute_force():
                 f = k[b, h, :L].abs().amax(0).sqrt()  # each key channel's factor
                 kb = dequantize(*quantize(k[b, h, :L] / f, bits), bits) * f
                 vb = dequantize(*quantize(v[b, h, :L], bits), bits)
+                kb[L - 4:], vb[L - 4:] = k[b, h, L - 4:L], v[b, h, L - 4:L]  # the window
                 total = 0.0
                 for i in range(L - rows, L):
                     for head in range(h * G, (h + 1) * G):
@@ -90,9 +93,19 @@ BITS_CASES = {
 }
 
 
+@pytest.fixture
+def window(monkeypatch):
+    """A window of newest tokens in 16 bits (pool.WINDOW) narrower than the
+    small tests' segments, so that their tokens are read rounded as well, and
+    priced so that a budget still takes fewer bits."""
+    for module in (pool, profiling, quant):
+        monkeypatch.setattr(module, "WINDOW", 5)
+
+
 @pytest.mark.parametrize("name", BITS_CASES)
 @pytest.mark.parametrize("lens, n_heads, n_kv_heads", [([12, 20], 6, 2), ([20, 13, 15], 4, 1)])
-def test_cache_at_every_precision_equals_the_rounded_reference(name, lens, n_heads, n_kv_heads):
+def test_cache_at_every_precision_equals_the_rounded_reference(name, lens, n_heads, n_kv_heads,
+                                                                window):
     """Every step's output equals the reference's, which rounds each segment's
     keys and values at its policy's precision, and holds the same tokens."""
     method = BITS_CASES[name]
@@ -111,7 +124,7 @@ def test_cache_at_every_precision_equals_the_rounded_reference(name, lens, n_hea
 
 @pytest.mark.parametrize("chunks, chose", [([[1, 1], [5, 3], [1, 1], [4, 4], [1, 1]], 1),
                                            ([[3, 3]] * 5 + [[1, 1]], 5)])
-def test_chunks_choose_again_within_the_stored_precision(chunks, chose):
+def test_chunks_choose_again_within_the_stored_precision(chunks, chose, window):
     """Every chunk that all sequences take whole chooses again (against the
     reference; a chunk with padding does not): a segment's new policy is one
     at the precision it holds."""
@@ -126,12 +139,12 @@ def test_chunks_choose_again_within_the_stored_precision(chunks, chose):
         assert all(cache.bits[i] == g.bits for i in cache.choice[g.seg].tolist())
 
 
-def test_a_chunk_never_chooses_what_the_pool_cannot_run():
+def test_a_chunk_never_chooses_what_the_pool_cannot_run(window):
     """A tight budget, a pool laid out without the latest attention (no TOVA
     at the prompt): a chunk must not move a segment to TOVA, which would then
     evict by a `last` the pool does not hold (the reference asserts that each
     new policy was offered)."""
-    method = Method([p for _ in range(2) for p in MENU], [16] * 4 + [4] * 4, kv_budget=0.2,
+    method = Method([p for _ in range(2) for p in MENU], [16] * 4 + [4] * 4, kv_budget=0.3,
                     rows=4)
     stream = torch.randint(0, 32, (2, 80), generator=torch.Generator().manual_seed(3))
     checked = drive(method, stream, [12, 20], 4, 2, 20, random_flags(32, 3), seed=3,
@@ -161,7 +174,7 @@ def test_full_at_16_bits_matches_the_dense_cache_in_16_bits():
 
 
 @torch.no_grad()
-def test_bytes_held_are_those_reported_and_priced():
+def test_bytes_held_are_those_reported_and_priced(window):
     """A precision menu under a budget: nbytes counts every tensor the cache
     holds, and each part's K and V take token_bytes a slot, the price the
     budget pays."""
@@ -186,8 +199,9 @@ def test_bytes_held_are_those_reported_and_priced():
 
 def test_full_share_is_counted_against_16_bits():
     model = tiny_model()
-    gen = generate(model, prompts_of([20], seed=1), 4, cache=CacheOptions("full", kv_bits=(4,)))
-    dense = generate(model, prompts_of([20], seed=1), 4)
+    # A prompt longer than the window of newest tokens that stay in 16 bits.
+    gen = generate(model, prompts_of([200], seed=1), 4, cache=CacheOptions("full", kv_bits=(4,)))
+    dense = generate(model, prompts_of([200], seed=1), 4)
     assert gen.full_kv_bytes * 2 == dense.full_kv_bytes  # float32 model, 16-bit reference
     assert gen.kv_bytes < gen.full_kv_bytes
     assert "in 16 bits" in gen.summary()
@@ -307,7 +321,7 @@ def test_channel_factors_keep_a_large_channel_from_setting_every_scale():
     assert scaled < plain / 2
 
 
-def test_parts_of_several_precisions_grow_and_compile_once():
+def test_parts_of_several_precisions_grow_and_compile_once(window):
     """A pool with a 16-bit and a 4-bit part, growing as Full heads fill: the
     compiled step compiles once, growths included, and equals eager decoding."""
     import torch._dynamo
