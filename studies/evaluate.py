@@ -503,9 +503,11 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
          text: str = "pydoc", batch: int = 30, seed: int = 0, peer: str | None = None,
          peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
          kinds=None, add_rows: str | None = None, precision: bool = False,
-         threads: int | None = None, command: str | None = None) -> dict:
+         threads: int | None = None, command: str | None = None,
+         window: int | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
-    and return the rows (configuration name -> metrics)."""
+    and return the rows (configuration name -> metrics). `window`: the newest
+    tokens a rounding head keeps in 16 bits, instead of quant.WINDOW."""
     import time
 
     from model import load_model
@@ -520,6 +522,12 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
         ckpt = default_checkpoint()
     if threads:
         torch.set_num_threads(threads)
+    if window is not None:  # where the cache, its pricing and its errors read it
+        import pool
+        import profiling
+        import quant
+        for module in (pool, profiling, quant):
+            module.WINDOW = window
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model, tok = load_model(ckpt), Tokenizer(ckpt)
@@ -631,11 +639,15 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice). On a "
                    "machine shared with other jobs, 1 avoids threads waiting on each other: a "
                    "decode step is thousands of small ops")
+    p.add_argument("--window", type=int, help="newest tokens a rounding head keeps in 16 bits "
+                   "(default: quant.WINDOW, 32); 0 keeps none")
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
+    if a.window is not None and a.window < 0:
+        p.error("--window must be at least 0")
     return a
 
 
