@@ -31,7 +31,7 @@ Each group stores its keys and values at its policy's precision (quant.py):
 the groups of one precision sit together as a *part* of the pages, whose K
 and V live in tensors of their own (K and V in the model's dtype or float16,
 or codes with their scales and minima), read back in the model's dtype when
-attended. Only the paged layout holds quantized parts. A part that rounds
+attended. Only the paged layout holds quantized parts. A part at 4 or 2 bits
 also keeps each segment's newest WINDOW tokens in 16 bits (its *window*),
 read instead of their codes while they are held.
 """
@@ -46,7 +46,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-from quant import WINDOW, channel_factors, dequantize, quantize, rounds, storage_dtype
+from quant import WINDOW, channel_factors, dequantize, quantize, rounds, storage_dtype, windowed
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments
 # in a group, N pages, P slots per page, C slots per segment in a group,
@@ -79,7 +79,7 @@ def slot_bytes(reads_last: bool) -> int:
 
 
 def window(bits: int) -> list[str]:
-    """The tensors a rounding part keeps its segments' windows in: K (divided by
+    """The tensors a part at 4 or 2 bits (quant.windowed) keeps its segments' windows in: K (divided by
     the key factors) and V in 16 bits (n, WINDOW, D), and each entry's position
     (-1: none) and slot (n, WINDOW)."""
     return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
@@ -263,7 +263,7 @@ class Pool(nn.Module, abc.ABC):
             for name, t in self.encode(bits, k[at], v[at], slot_seg[at]).items():
                 t = self.keys(t) if name == "k" else t.view(-1, P, *t.shape[1:])
                 self.register_buffer(name, t, persistent=False)
-            if rounds(bits):  # the window starts with the newest tokens kept of the prompt
+            if windowed(bits):  # the window starts with the newest tokens kept of the prompt
                 segs, slots = self.rows_of(bits)
                 width = min(WINDOW, slots.shape[1])  # no wider than a segment's row
                 for name, t in zip(window(bits), self.window_entries(len(segs), width, k)):
@@ -292,6 +292,8 @@ class Pool(nn.Module, abc.ABC):
             return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
         codes = [getattr(self, name) for name in stored(bits)]
         k, v = dequantize(*codes[:3], bits, self.dtype), dequantize(*codes[3:], bits, self.dtype)
+        if not windowed(bits):
+            return k.transpose(1, 2), v
         wk, wv, pos, slot = (getattr(self, name) for name in window(bits))
         # An entry whose token was evicted, or whose slot another took, reads nothing.
         held = (self.pos.view(-1)[slot] == pos) & (pos >= 0)  # (n, WINDOW)
@@ -335,7 +337,7 @@ class Pool(nn.Module, abc.ABC):
                 else:
                     dest = getattr(self, name)
                     dest.view(-1, dest.shape[-1]).index_copy_(0, at, t.view(-1, dest.shape[-1]))
-            if rounds(bits):
+            if windowed(bits):
                 segs = torch.arange(len(self.dest), device=slot.device) if segs is None else segs
                 n, D = len(segs), k.shape[-1]
                 ps = pos if rows is None else pos.index_select(0, rows)
@@ -428,7 +430,7 @@ class Pool(nn.Module, abc.ABC):
         """After the slots moved (`widen`, `compact`): each window entry pointed
         at its token's new slot or, where the token is gone, at its segment's
         first slot, which cannot hold its position (it stays in the window)."""
-        for bits in filter(rounds, self.precisions):
+        for bits in filter(windowed, self.precisions):
             _, _, pos, slot = (getattr(self, name) for name in window(bits))
             _, slots = self.rows_of(bits)
             held = self.pos.view(-1)[slots.clamp(min=0)].masked_fill(slots < 0, -1)  # (n, C)
@@ -532,7 +534,7 @@ class Pool(nn.Module, abc.ABC):
         """Bytes really held: the slots' fields and every index tensor."""
         names = (*self.fields, *self.STATE, *self.part_rows,
                  *(["key_factors"] if self.rounds_keys else []),
-                 *(name for b in filter(rounds, self.precisions) for name in window(b)))
+                 *(name for b in filter(windowed, self.precisions) for name in window(b)))
         return sum(getattr(self, name).nbytes for name in names)
 
     def kept(self) -> int:

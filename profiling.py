@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from policies import Policy, Slots, Union, shares
-from quant import WINDOW, channel_factors, dequantize, quantize, rounds
+from quant import WINDOW, channel_factors, dequantize, quantize, rounds, windowed
 
 # Prompt rows that measure what a precision costs when profiling reads every row.
 ERROR_ROWS = 32
@@ -337,7 +337,8 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
     change, |A (V_b - V)| / |A V|, averaged over the rows and the G query heads
     of each KV head. The paper's criterion, |A - softmax(Q K_C^T)| <= 1 - T,
     for a compression C that rounds instead of dropping. 16 bits costs nothing,
-    and neither do the newest `window` tokens (None: WINDOW), kept in 16 bits.
+    and neither do the newest `window` tokens (None: WINDOW) where the precision
+    keeps them in 16 bits (quant.windowed).
 
     q: (B, H, T', D) the queries of the last T' rows, k and v (B, K, T, D)."""
     B, K, T, D = k.shape
@@ -369,7 +370,9 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
         if not rounds(b):
             continue
         kb = dequantize(*quantize(k / factors, b), b) * factors  # as the pool rounds them
-        kb, vb = kb.where(~newest, k), dequantize(*quantize(v, b), b).where(~newest, v)
+        vb = dequantize(*quantize(v, b), b)
+        if windowed(b):
+            kb, vb = kb.where(~newest, k), vb.where(~newest, v)
         moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)
         changed = (a @ (vb - v)[:, :, None]).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-6)
         out[:, i] = (((moved + changed) * weight).sum((2, 3)) / n).view(-1)

@@ -19,8 +19,8 @@ a few key channels are far larger than the rest, and would otherwise set the
 scale of every group they fall in. The factors, one float32 per channel and
 head, are kept at full precision; values are rounded as they are.
 
-A head that rounds also keeps its newest WINDOW tokens in 16 bits (pool.py's
-window), as KIVI and HF transformers' quantized cache do: the newest tokens
+A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 16
+bits (pool.py's window), as KIVI and HF transformers' quantized cache do: the newest tokens
 draw the most attention, and a token written leaves the window when WINDOW
 newer ones came. Its bytes are counted and priced (`window_bytes`).
 
@@ -49,6 +49,12 @@ def channel_factors(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     magnitude (a measured choice: README, "Precision")."""
     top = k.float().abs().masked_fill(~valid[..., None], 0).amax(1)
     return top.clamp(min=1e-6).sqrt()
+
+
+def windowed(bits: int | None) -> bool:
+    """Whether a precision keeps a window of newest tokens in 16 bits: 4 and 2
+    bits (8 bits loses too little to pay for one)."""
+    return bits in (4, 2)
 
 
 def rounds(bits: int | None) -> bool:
@@ -113,5 +119,6 @@ def token_bytes(bits: int, head_dim: int, group: int = GROUP) -> int:
 
 def window_bytes(bits: int, head_dim: int) -> int:
     """Bytes a head's window takes at `bits`: WINDOW keys and values in 16
-    bits, each entry's position (int32) and slot (int64); none unrounded."""
-    return WINDOW * (token_bytes(16, head_dim) + 4 + 8) if rounds(bits) else 0
+    bits, each entry's position (int32) and slot (int64); none where it
+    keeps no window (`windowed`)."""
+    return WINDOW * (token_bytes(16, head_dim) + 4 + 8) if windowed(bits) else 0

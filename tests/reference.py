@@ -29,7 +29,7 @@ from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, 
                       Union)
 from pool import window as window_tensors
 from profiling import attention_sums, local_ratios, weigh
-from quant import channel_factors, dequantize, quantize, rounds
+from quant import channel_factors, dequantize, quantize, rounds, windowed
 
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
@@ -330,7 +330,7 @@ class Reference:
             mask = torch.zeros(p + 1, dtype=torch.bool)
             mask[sorted(self.kept[s])] = True
             keys, values = self.k[s].clone(), self.v[s].clone()
-            if rounds(self.stored[s]):
+            if windowed(self.stored[s]):
                 at = sorted(j for j in self.window[s] if j <= p)
                 keys[at], values[at] = self.k16[s][at], self.v16[s][at]
             logits = q[heads].double() @ keys.T / math.sqrt(D)  # (G, p + 1)
@@ -441,7 +441,7 @@ class State:
         owner = cache.pool.owner.repeat_interleave(cache.page)
         # Each segment's window entries (pool.window; 0 where its part does not round).
         self.window = [0] * S
-        for bits in filter(rounds, cache.pool.precisions):
+        for bits in filter(windowed, cache.pool.precisions):
             segs, _ = cache.pool.rows_of(bits)
             for s in segs.tolist():
                 self.window[s] = getattr(cache.pool, window_tensors(bits)[2]).shape[1]
