@@ -393,7 +393,7 @@ class Pool(nn.Module, abc.ABC):
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
         return y
 
-    # --- The window: each rounding segment's newest tokens, also in 16 bits ----------
+    # --- The window: each 4- or 2-bit segment's newest tokens, also in 16 bits ------
 
     def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
         """A part's segments (n,) and each one's slots, (n, C) padded with -1."""

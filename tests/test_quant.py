@@ -195,6 +195,13 @@ def test_bytes_held_are_those_reported_and_priced(window):
             seen.add(bits)
             kv = sum(getattr(p, name).nbytes for name in pool.stored(bits))
             assert kv == n * p.page * token_bytes(bits, 64)
+            # A window of newest tokens in 16 bits at 4 bits, none at 8 or 16.
+            held = [getattr(p, name, None) for name in pool.window(bits)]
+            if bits == 4:  # priced as held (quant.window_bytes)
+                segments = len(p.rows_of(bits)[0])
+                assert sum(t.nbytes for t in held) == segments * quant.window_bytes(4, 64)
+            else:
+                assert held == [None] * 4
     assert len(seen) > 1
 
 
