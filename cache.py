@@ -479,7 +479,7 @@ class FastGenCache(Cache):
     def token_bytes(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """What a kept token costs under each policy, (M,), what a segment pays
         besides, (M,), and what a token costs in a full cache: with `bits`, the
-        bytes of its key and value and of its slot's other fields, a rounding
+        bytes of its key and value and of its slot's other fields, a 4- or 2-bit
         head's window (quant.window_bytes), and a full cache's K and V in 16
         bits; else 1, 0 and 1, a budget counted in tokens."""
         M, device = len(self.policies), self.prompt_lens.device

@@ -79,9 +79,9 @@ def slot_bytes(reads_last: bool) -> int:
 
 
 def window(bits: int) -> list[str]:
-    """The tensors a part at 4 or 2 bits (quant.windowed) keeps its segments' windows in: K (divided by
-    the key factors) and V in 16 bits (n, WINDOW, D), and each entry's position
-    (-1: none) and slot (n, WINDOW)."""
+    """The tensors a part at 4 or 2 bits (quant.windowed) keeps its segments'
+    windows in: K (divided by the key factors) and V in 16 bits (n, WINDOW, D),
+    and each entry's position (-1: none) and slot (n, WINDOW)."""
     return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
 
 

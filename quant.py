@@ -20,9 +20,10 @@ scale of every group they fall in. The factors, one float32 per channel and
 head, are kept at full precision; values are rounded as they are.
 
 A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 16
-bits (pool.py's window), as KIVI and HF transformers' quantized cache do: the newest tokens
-draw the most attention, and a token written leaves the window when WINDOW
-newer ones came. Its bytes are counted and priced (`window_bytes`).
+bits (pool.py's window), as KIVI and HF transformers' quantized cache do:
+the newest tokens draw the most attention, and a token written leaves the
+window when WINDOW newer ones came. Its bytes are counted and priced
+(`window_bytes`).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.

@@ -243,14 +243,16 @@ class Reference:
                 self.factors[s] = channel_factors(k[b, h, None, :L], every)[0]
                 self.stored[s] = None if self.bits is None else self.bits[self.choice[s]]
                 self.k[s], self.v[s] = self.rounded(s, kk, key=True), self.rounded(s, vv)
-                self.k16[s], self.v16[s] = self.rounded(s, kk, True, 16), self.rounded(s, vv, bits=16)
+                self.k16[s] = self.rounded(s, kk, key=True, bits=16)
+                self.v16[s] = self.rounded(s, vv, bits=16)
                 for i, p in enumerate(self.policies):
                     self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], score,
                                                   state.prompt_kept[s][i], first, last)
                 self.policy[s] = self.policies[self.choice[s]]
                 self.kept[s] = self.prompt_keep[s, self.choice[s]]
                 self.width[s] = state.window[s]
-                self.window[s] = set(sorted(self.kept[s])[max(len(self.kept[s]) - self.width[s], 0):])
+                newest = sorted(self.kept[s])[max(len(self.kept[s]) - self.width[s], 0):]
+                self.window[s] = set(newest)
                 self.score[s] = {j: score[j] for j in self.kept[s]}
         self.prompt_choice = list(self.choice)  # the plan of the prompt, before any chunk
         # The cache keeps the latest query's attention where a policy of its plan reads it.
