@@ -45,11 +45,12 @@ from dataclasses import dataclass
 import torch
 
 import pool
+from kernels import flash_reread_sums, flash_sums
 from model import Cache, causal_attention
 from policies import Full, Policy, Slots, baseline, menu, shortlist
-from profiling import (Profile, attention_sums, choose, fit_budgets, flash_reread_sums, flash_sums,
-                       held_profile, local_ratios, precision_errors, prompt_slots, recoveries,
-                       reread_profile, reread_sums, squared_losses, weigh)
+from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
+                       precision_errors, prompt_slots, recoveries, reread_profile, reread_sums,
+                       squared_losses, weigh)
 from quant import rounds, token_bytes, window_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,

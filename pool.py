@@ -46,6 +46,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
+from kernels import masked_attention, paged_attention, slot_bias
 from quant import WINDOW, channel_factors, dequantize, quantize, rounds, storage_dtype, windowed
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments
@@ -637,71 +638,6 @@ class MaskedPool(Pool):
         for name in (*self.fields, "owner"):
             torch._dynamo.maybe_mark_dynamic(getattr(self, name), int(name == "k"))
         torch._dynamo.maybe_mark_dynamic(self.bias, 2)
-
-
-# --- The two attentions ---------------------------------------------------------
-
-def paged_attention(q, k, v, empty, owner):
-    """One query per segment over its pages.
-
-    q: (S, G, D); k: (N, D, P) and v: (N, P, D) pages; empty: (N, P) bool, the
-    slots that hold nothing; owner: (N,) the segment of each page. Returns the
-    output (S, G, D) and the attention each slot got, (N, P) in float32,
-    averaged over the G query heads. The softmax of a segment spans its pages:
-    each page's maximum and sum are combined per segment, and the pages' outputs
-    by a product with the (S, N) matrix of which page is whose: compiled, a
-    scatter of the outputs adds atomically, which ran slower on CPU.
-    """
-    S, G, D = q.shape
-    N, P = empty.shape
-    scores = ((q.index_select(0, owner) @ k) / math.sqrt(D)).float()  # (N, G, P)
-    scores = scores.masked_fill(empty[:, None], -math.inf)
-    mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
-    page_top = scores.amax(-1)  # (N, G)
-    if torch.compiler.is_compiling():
-        # Compiled, one fused reduction over each segment's pages, where a
-        # scatter_reduce stays an op of its own; eager, this would write out
-        # an (S, N, G) tensor, and the scatter is the faster.
-        top = page_top.expand(S, N, G).masked_fill(~mine[..., None], -math.inf).amax(1)
-    else:
-        top = page_top.new_full((S, G), -math.inf).scatter_reduce(
-            0, owner[:, None].expand(N, G), page_top, "amax")
-    e = (scores - top.index_select(0, owner)[..., None]).exp()
-    total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
-    probs = e / total.index_select(0, owner)[..., None]
-    y = mine.float() @ (probs.to(v.dtype) @ v).float().view(N, G * D)
-    return y.view(S, G, D).to(v.dtype), probs.mean(1)
-
-
-def masked_attention(q, k, v, bias):
-    """`paged_attention`, computed as one attention of every query over every
-    slot of the layer, kept from the others' slots by `bias`: S times the
-    arithmetic on scores, in two plain matrix products instead of a softmax
-    pieced together page by page, which wins while those scores are few
-    (MASKED_SCORES).
-
-    q: (S, G, D); k: (D, M) and v: (M, D), the pool's M slots (K transposed as
-    a whole: a plain product, twice as fast as against (M, D)); bias: (S, 1, M),
-    0 on the slots segment s holds, -inf elsewhere (`slot_bias`). Returns the
-    output (S, G, D) and the attention each slot got, (M,) in float32,
-    averaged over the G query heads."""
-    S, G, D = q.shape
-    scores = ((q / math.sqrt(D)).view(S * G, D) @ k).view(S, G, -1).float().add_(bias)
-    probs = scores.softmax(-1).view(S * G, -1)
-    y = probs.to(v.dtype) @ v
-    return y.view(S, G, D), probs.sum(0).div_(G)
-
-
-def slot_bias(empty, owner, S: int) -> torch.Tensor:
-    """`masked_attention`'s bias, (S, 1, N * P), from the slots that hold nothing,
-    empty: (N, P), and the segment of each page, owner: (N,). In bfloat16: it
-    holds only 0 and -inf, and added to float32 scores it runs about as fast as
-    a float32 bias (a masked_fill_ with a broadcast mask ran 6 to 20 times
-    slower)."""
-    mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
-    hidden = (~mine[:, :, None] | empty).view(S, 1, -1)
-    return torch.zeros(hidden.shape, dtype=torch.bfloat16, device=owner.device).masked_fill_(
-        hidden, -math.inf)
 
 
 # --- Several layers at once -------------------------------------------------------

@@ -114,45 +114,6 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    (lens - first).repeat_interleave(K).float(), (last / G).view(B * K, T))
 
 
-def with_coordinate(x, last) -> torch.Tensor:
-    """x (B, H, N, D) in float32 with `last` (B, H, N) as an extra coordinate,
-    then zeros to a multiple of 8 (the flash kernel's vector width): a key's
-    1 against a row's -L_i adds the row's log-sum-exp to every score."""
-    return torch.cat([x.float(), last[..., None], x.new_zeros(*x.shape[:3], 7,
-                                                             dtype=torch.float32)], -1)
-
-
-def flash_sums(q, k, v, lens) -> tuple[torch.Tensor, Profile] | None:
-    """The prompt's causal attention (B, H, T, D), as the prefill's, and every
-    row's `attention_sums(q, k, lens)` (colsum and last row), from two passes
-    of torch's CPU flash attention, cheaper than a dense pass over the
-    probabilities (studies/README.md); None where that kernel
-    is missing (another device, another torch). The first pass attends and
-    gives each row i its log-sum-exp L_i; token j's column sum is then
-    sum_{i >= j} exp(q_i.k_j / sqrt(D) - L_i), a log-sum-exp of the second
-    pass: the keys attend over the queries, in reverse order, with L_i folded
-    into an extra coordinate (scale 1), padding rows' at -1e9."""
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if flash is None or q.device.type != "cpu":
-        return None
-    B, H, T, D = q.shape
-    K = k.shape[1]
-    ke, ve = k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1)
-    out, lse = flash(q, ke, ve, 0.0, True)  # (B, H, T, D), (B, H, T) float32
-    padding = torch.arange(T, device=q.device) >= lens[:, None, None]  # (B, 1, T)
-    lse = lse.masked_fill(padding, 1e9)
-    keys = with_coordinate(ke, torch.ones_like(lse)).flip(2)
-    rows = with_coordinate(q / math.sqrt(D), -lse).flip(2)
-    _, col = flash(keys, rows, rows, 0.0, True, scale=1.0)  # (B, H, T) reversed
-    col = col.flip(2).exp().masked_fill(padding, 0)
-    b = torch.arange(B, device=q.device)
-    last_q = q[b, :, lens - 1].float()  # (B, H, D): each prompt's last row
-    last = ((last_q[:, :, None] @ ke.float().transpose(-1, -2))[:, :, 0] / math.sqrt(D)
-            - lse[b, :, lens - 1, None]).exp().masked_fill(padding, 0)  # (B, H, T)
-    mean = lambda x: x.view(B, K, H // K, T).mean(2).flatten(0, 1)  # noqa: E731
-    return out, Profile(mean(col), {}, lens.repeat_interleave(K).float(), mean(last))
-
-
 def reread_sums(q, k, v, held_k, held_v, held, counts,
                 chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """The context read again (KVzip's reconstruction): its tokens fed after it,
@@ -186,34 +147,6 @@ def reread_sums(q, k, v, held_k, held_v, held, counts,
         read = (r < counts[:, None]).float()  # (B, c)
         colsum += (probs[..., :T].sum(2) * read[:, None, :, None]).sum(2)
     return y, (colsum / G).flatten(0, 1)
-
-
-def flash_reread_sums(q, k, v, held_k, held_v, held, counts):
-    """`reread_sums` from torch's CPU flash attention, as `flash_sums` reads a
-    prompt: the rows attend to the context and to themselves in two passes,
-    joined by their log-sum-exps into each row's L_i; then the context's keys
-    attend over the rows, L_i folded into an extra coordinate, so that a key's
-    log-sum-exp is the log of the attention it received. None where that
-    kernel is missing."""
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if flash is None or q.device.type != "cpu":
-        return None
-    B, H, R, D = q.shape
-    K, T = held_k.shape[1:3]
-    G = H // K
-    ck, cv, k, v = (t.repeat_interleave(G, 1) for t in (held_k, held_v, k, v))
-    padding = ~held  # (B, T)
-    mask = q.new_zeros(B, 1, 1, T).masked_fill_(padding[:, None, None], -math.inf)
-    on_context, lse_c = flash(q, ck, cv, 0.0, False, attn_mask=mask)
-    on_rows, lse_r = flash(q, k, v, 0.0, True)
-    lse = torch.logaddexp(lse_c, lse_r)  # (B, H, R)
-    y = (on_context * (lse_c - lse).exp()[..., None].to(q.dtype)
-         + on_rows * (lse_r - lse).exp()[..., None].to(q.dtype))
-    read = torch.arange(R, device=q.device) < counts[:, None, None]  # (B, 1, R)
-    rows = with_coordinate(q / math.sqrt(D), torch.where(read, -lse, -1e9))
-    _, col = flash(with_coordinate(ck, torch.ones(B, H, T)), rows, rows, 0.0, False, scale=1.0)
-    col = col.exp().masked_fill(padding[:, None], 0)  # (B, H, T)
-    return y, col.view(B, K, G, T).mean(2).flatten(0, 1)
 
 
 def reread_profile(colsum, pos, seen, prompt_len, ratios) -> Profile:

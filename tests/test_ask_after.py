@@ -8,7 +8,8 @@ import torch
 import cache
 from generation import CacheOptions, generate, read_again
 from model import ModelArgs, Transformer
-from profiling import flash_reread_sums, reread_profile, reread_sums
+from kernels import flash_reread_sums
+from profiling import reread_profile, reread_sums
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from studies.evaluate import Recorder
 

@@ -6,14 +6,16 @@ import pytest
 import torch
 
 import cache
+import kernels
 import pool
 from cache import FastGenCache, Method, fastgen_caches
 from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer, causal_attention, reserve
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
-from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, flash_sums, local_ratios,
-                       prompt_slots, recovery, weigh)
+from kernels import flash_sums
+from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, local_ratios, prompt_slots,
+                       recovery, weigh)
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
@@ -132,10 +134,10 @@ def test_masked_attention_equals_paged():
     held = torch.rand(N, P, generator=g) < 0.6
     held[:, 0] = True  # every segment holds something
     held[4] = False  # a page with nothing in it
-    y, last = pool.masked_attention(q, k.transpose(0, 1).reshape(D, N * P), v.view(N * P, D),
-                                    pool.slot_bias(~held, owner, S))
+    y, last = kernels.masked_attention(q, k.transpose(0, 1).reshape(D, N * P), v.view(N * P, D),
+                                    kernels.slot_bias(~held, owner, S))
     last = last.view(N, P)
-    y_ref, last_ref = pool.paged_attention(q, k, v, ~held, owner)
+    y_ref, last_ref = kernels.paged_attention(q, k, v, ~held, owner)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(last, last_ref)
     for s in range(S):  # each segment's softmax over the slots it holds, (K transposed in pages)
