@@ -1,40 +1,27 @@
 """The FastGen KV cache: every attention head keeps only what its policy needs.
 
-A *segment* is one (sequence, KV head) pair; a layer of batch B with K KV
-heads has B*K of them. A `Method` says what the cache runs: the policies a
-segment may take and how it chooses among them. The core has two, the
-default (`default_method`) and the paper's (`paper_method`), and one fixed
-policy for every head (`fixed_method`). The method, in the order it runs:
+A *segment* is one (sequence, KV head) pair. A `Method` names the policies a segment may take
+and how it chooses: the default (`default_method`), the paper's (`paper_method`), or one fixed
+policy for every head (`fixed_method`). In the order it runs:
 
-1. Prefill (`FastGenCache.prefill`): the layer attends over its prompt as
-   usual and holds its keys, values and the queries profiling reads.
-2. Decide (`decide`): profile how much of each segment's prompt attention
-   every policy recovers (profiling.py); choose each segment's policy (the
-   shortlist's first that reaches the threshold, the paper's rule, or under
-   a byte budget the menu items that lose a sequence's heads the least
-   attention, one knapsack for the heads of SCOPE layers); compress: keep the
-   prompt tokens each policy keeps, in a pool whose bytes follow what is kept
-   (pool.py).
-3. Decode (`FastGenCache.decode`): the new token is written to a free slot of
-   its segment, attends to everything the segment holds, and adds the
-   attention each held token got to its score (heavy hitters stay live).
-4. Between steps (`reserve`): every `evict_every` tokens each policy says
-   what it keeps of its segments and the rest is freed; every segment is
-   handed its next free slots.
-5. A chunk (`FastGenCache.chunk`): T tokens at once (a chat's next turn, a
-   long prompt read in pieces), written, attended to and scored as T decode
-   steps would be; its last rows choose every segment's policy again
-   (`choose_again`), and the next `reserve` frees what each policy lets go.
+1. Prefill (`FastGenCache.prefill`): attend over the prompt; hold its K, V and the queries
+   profiling reads.
+2. Decide (`decide`): profile how much of each segment's prompt attention each policy recovers
+   (profiling.py); choose its policy (the paper's rule: the shortlist's first to reach the
+   threshold; under a byte budget, the menu items losing a sequence's heads the least attention,
+   one knapsack for SCOPE layers); keep what it keeps of the prompt in a pool sized to it (pool.py).
+3. Decode (`FastGenCache.decode`): write the token to a free slot of its segment, attend to
+   all the segment holds, add each held token's attention to its score (heavy hitters stay live).
+4. Between steps (`reserve`): every `evict_every` tokens, free what each policy lets go; hand
+   each segment its next free slots.
+5. Chunk (`FastGenCache.chunk`): T tokens at once (a chat's next turn, a prompt in pieces), as
+   T decode steps; its last rows choose the policies again (`choose_again`).
 
-With `Method.reread` (`--ask-after`), the layers wait after prefill until the
-prompt was read again (generation.read_again, `FastGenCache.read_again`):
-the attention that reading gives each prompt token is the profile, for
-questions asked after the prompt; a chunk read again chooses again
-(`choose_from_reading`).
-
-`decide` takes several layers at once (`Pending`): the per-layer steps run
-on the layers stacked as one batch, as one layer at a time their few
-hundred small operations cost as much as the arithmetic.
+With `Method.reread` (`--ask-after`), deciding waits until the prompt is read again
+(generation.read_again, `FastGenCache.read_again`): the attention that reading gives each
+prompt token is the profile, for questions asked after the prompt; a chunk read again chooses
+again (`choose_from_reading`). `decide` stacks several layers as one batch (`Pending`): one at a
+time, their many small operations would cost as much as the arithmetic.
 """
 from __future__ import annotations
 
@@ -56,13 +43,11 @@ from quant import rounds, token_bytes, window_bytes
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
 
-# Tokens between evictions, at least (each segment holds at most this many extra).
-EVICT_EVERY = 8
-# Prompt keys, values and profiled queries that layers waiting to decide
-# together may hold (`Pending`) in threshold mode, besides one layer's.
+EVICT_EVERY = 8  # tokens between evictions, at least; a segment holds at most this many extra
+# Prompt K, V, queries that layers in `Pending` may hold (threshold mode), besides one layer's.
 HELD_BYTES = 16 << 20
-# The default's profile: the last ROWS prompt rows, each token scored over a
-# span of SPAN; its budget shared by the heads of SCOPE layers (studies/README.md).
+# The default's profile: the last ROWS prompt rows, each token scored over SPAN tokens; its
+# budget shared by the heads of SCOPE layers (studies/README.md).
 ROWS, SPAN, SCOPE = 32, 16, 6
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
@@ -72,19 +57,16 @@ UNRESERVED = ("a compressed cache's decode step ran without its reservation: cal
 
 @dataclass(frozen=True)
 class Method:
-    """What a FastGen cache runs: the policies a segment may take and how it
-    chooses among them.
+    """What a FastGen cache runs: the policies a segment may take and how it chooses.
 
     policies : tuple of Policy
         one for every segment, the paper's shortlist, or the default's menu
     kv_bits : tuple of int, optional
         each policy's precision (quant.py); None: the model's dtype
     recovery : float, default 1.0
-        threshold mode (the paper's): each segment takes the first policy that
-        recovers this share of its attention; 1 keeps everything
+        threshold mode (the paper's): take the first policy recovering this share; 1 keeps all
     kv_budget : float, optional
-        budget mode, instead: the segments of SCOPE layers share this share of
-        a full cache's tokens (with kv_bits, of its bytes in 16 bits)
+        budget mode: SCOPE layers share this much of a full cache's tokens (kv_bits: 16-bit bytes)
     rows : int, optional
         the last prompt rows profiling reads; None: every row
     span : int, default 1
@@ -94,8 +76,7 @@ class Method:
     evict_every : int, optional
         tokens between evictions; None: half a page, at least EVICT_EVERY
     reread : bool, default False
-        profile by the context read again after it (generation.read_again),
-        not by its last rows: for questions that come after compression
+        profile by the context read again (generation.read_again), for questions asked after it
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
@@ -119,9 +100,7 @@ class Method:
 
 
 def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | None]:
-    """The policies and each one's precision: with one precision, every policy
-    at it; with several, every policy at every precision, and Full at those
-    below 16 bits."""
+    """Each policy's precision: one for all, or every policy at each, plus Full below 16 bits."""
     if not kv_bits:
         return policies, None
     if len(kv_bits) == 1:
@@ -131,25 +110,20 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
 
 
 def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
-    """FastGen's default: the menu under a byte budget, profiled on the last
-    ROWS prompt rows (or the prompt read again), heavy hitters by mean
-    attention, each token scored over SPAN tokens and weighed by its value's norm."""
+    """FastGen's default: the menu under a byte budget, heavy hitters by mean attention."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=SPAN, weigh_values=True,
                   reread=reread)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
-    """The paper's method: its shortlist under threshold `recovery`, profiled
-    on every prompt row, heavy hitters by summed attention, eviction after
-    every token."""
+    """The paper's method: its shortlist (heavy hitters by summed attention) under a threshold."""
     policies, bits = at_bits(shortlist(), kv_bits)
     return Method(policies, bits, recovery=recovery, rows=None, evict_every=1)
 
 
 def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
-    """One fixed policy (policies.baseline) for every segment, its prompt
-    profiled on the rows its ranking reads (or read again)."""
+    """One policy (policies.baseline) for all, profiled on the rows its ranking reads."""
     policy = baseline(kind, kv_budget)
     policies, bits = at_bits([policy], kv_bits)
     return Method(policies, bits, rows=policy.rows, reread=reread)
@@ -157,8 +131,7 @@ def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None, reread: bool =
 
 @dataclass
 class Clock:
-    """Where a cache's decoding stands: a plain object, as an nn.Module's
-    attribute writes run through Python checks (about 4 us each)."""
+    """Where decoding stands: a plain object, as nn.Module attribute writes run Python checks."""
     steps: int = 0  # decode steps reserved so far
     since: int = 0  # tokens taken since the last eviction: decode steps and chunks
     read: bool = False  # a chunk was read since the last eviction
@@ -182,7 +155,7 @@ class FastGenCache(Cache):
     max_new_tokens : int
         tokens each sequence is planned to generate (the budget counts them)
     n_kv_heads : int
-        KV heads of the layer (of this rank's, under tensor parallel)
+        KV heads of the layer (this rank's, under tensor parallel)
     token_flags : (V,) uint8 tensor
         SPECIAL / PUNCT bits of every token id (policies.token_flags)
     page : int, optional
@@ -202,13 +175,11 @@ class FastGenCache(Cache):
         self.method = method
         self.policies = list(method.policies)
         self.bits = None if method.kv_bits is None else list(method.kv_bits)
-        # This layer's share of each sequence's bytes when choosing again: under a
-        # budget, what its heads took at the prompt (`choose_policies`).
+        # Share of each sequence's bytes when choosing again: what it took (`choose_policies`).
         self.share = method.kv_budget
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
-        # Whether a head of this layer, on any rank under tensor parallel, took a policy
-        # that reads the latest query's attention: the pool then keeps it for every head,
-        # as one process's does, so that choosing again may offer such a policy to any.
+        # Whether a head of this layer, on any rank, took a policy that reads the latest query's
+        # attention: the pool then keeps it for every head, so choosing again may offer it to any.
         self.reads_last = False
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
@@ -224,7 +195,7 @@ class FastGenCache(Cache):
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.every = None  # every row's Profile, prefill to `decide`, where it is read
         self.rereading = False  # the next forward reads again (`reading_again`)
-        self.reread = None  # what the tokens read again gave what is held: (S, T), or (n, C) a group
+        self.reread = None  # what reading again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
         rows = method.rows
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
@@ -243,15 +214,12 @@ class FastGenCache(Cache):
         return self.decode(q, k, v, input_pos, tokens)
 
     def prefill(self, q, k, v, tokens):
-        """Attend over the prompt, and hold what deciding needs until the other
-        layers come (`Pending`), at most until the model's last layer."""
+        """Attend over the prompt; hold what `Pending` needs to decide (of q, the rows profiled)."""
         t0 = _clock(q.device)
-        # The queries of the rows profiling reads, not the whole prompt's.
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
         out = None
-        # A profile of every row and no band (h2o's) is taken now, from the
-        # prefill's own attention pass where torch allows it (profile_s then
-        # counts the attention too).
+        # Every row profiled and no band (h2o's): profile now, in prefill's own attention
+        # pass where torch allows it (profile_s then counts the attention too).
         if self.method.rows is None and not banded(self.policies) and not self.method.reread:
             out, self.every = (flash_sums(q, k, v, self.prompt_lens)
                                or (None, attention_sums(q, k, self.prompt_lens)))
@@ -261,11 +229,8 @@ class FastGenCache(Cache):
         return causal_attention(q, k, v) if out is None else out
 
     def read_again(self, q, k, v):
-        """What was read last, read again after it (generation.read_again): attend
-        over all that is held (the prompt before `decide`, else the pool) and,
-        causally, these tokens, and add what each held token received to
-        `reread`, which chooses the policies instead of the last rows read.
-        Nothing of these tokens is held."""
+        """Attend over all that is held (the prompt before `decide`, else the pool) and, causally,
+        these tokens read again; add what each held token got to `reread`, holding none of them."""
         t0 = _clock(q.device)
         sums = lambda *a: flash_reread_sums(*a) or reread_sums(*a)  # noqa: E731
         if self.pool is None:  # the prompt: every segment's, as prefill held it
@@ -294,8 +259,7 @@ class FastGenCache(Cache):
         return y
 
     def choose_from_reading(self):
-        """After what was read last was read again: each held token's score gains
-        what it received, and every segment's policy is chosen again from it."""
+        """After a reading again: add what each held token got to its score; choose again."""
         groups, ratios = self.pool.groups, local_ratios(self.policies)
         profiles = []
         for g, got in zip(groups, self.reread):
@@ -309,9 +273,8 @@ class FastGenCache(Cache):
             self.choose_again(profiles)
 
     def from_sums(self, sums: Profile, tokens, layers: int = 1) -> tuple[Slots, torch.Tensor]:
-        """The prompt's slots, scored by profiling's `sums` of `layers` layers
-        stacked, (layers * S, T), and every policy's recovery (layers * S, M);
-        None for a single policy, which has nothing to choose (`banded`)."""
+        """The prompt's slots scored by `sums` of `layers` stacked layers, (layers * S, T), and
+        each policy's recovery, (layers * S, M); None for a single policy (nothing to choose)."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
                               layers, self.method.span)
         prompt.keeps_all(self.policies)
@@ -321,17 +284,14 @@ class FastGenCache(Cache):
 
     def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
                G: int):
-        """This layer's pool, laid out for what each segment's policy keeps of
-        its prompt (`compress`). prompt: the layer's (S, T) slots; on the host,
-        each segment's policy, its kept tokens, the policy's `growth`; G query
-        heads per KV head."""
+        """Lay out the pool for what each segment's policy keeps of its prompt (S, T): on the
+        host, each segment's policy, its kept tokens and `growth`; G query heads per KV head."""
         device = prompt.pos.device
         chosen = [self.policies[i] for i in sorted(set(choice))]
         self.pool = pool.build(choice, kept, growth,
                                self.reads_last or any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device, bits=self.bits)
-        # Each segment's prompt length, first query profiled, and policy (`follow`).
         by = torch.tensor(choice, device=device)
         for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
                             seg_first_query=prompt.first_query[:, 0]).items():
@@ -339,9 +299,8 @@ class FastGenCache(Cache):
         self.follow(choice)
 
     def follow(self, choice: list[int]):
-        """Each segment's policy index, as eviction asks it: after a chunk, every
-        policy but those that keep all (`drops_by`); while decoding, not those
-        that never evict either (`evicts_by`); -1: none."""
+        """Each segment's policy as eviction asks it, -1 none: after a chunk, all but those that
+        keep all (`drops_by`); while decoding, not those that never evict either (`evicts_by`)."""
         drops = [-1 if self.policies[i].keeps_all else i for i in choice]
         evicts = [-1 if i < 0 or self.policies[i].never_evicts else i for i in drops]
         self.drops_by.copy_(torch.tensor(drops))
@@ -349,11 +308,10 @@ class FastGenCache(Cache):
         self.drops, self.evicting = max(drops) >= 0, max(evicts) >= 0  # on the host
 
     def decode(self, q, k, v, input_pos, tokens):
-        """One token per sequence: written to the slot `reserve` handed out,
-        attended to with everything the segment holds, and scored."""
+        """One token per sequence, in the slot `reserve` handed out: attend, then score."""
         if self.clock.ready != 1:
-            # Without its reservation the step would write over the slot of the
-            # last one and never evict: wrong logits, in silence.
+            # Without its reservation the step would write over the last one's slot and never
+            # evict: wrong logits, in silence.
             if torch.compiler.is_compiling():
                 raise RuntimeError(UNRESERVED)
             reserve([self])
@@ -369,15 +327,9 @@ class FastGenCache(Cache):
         return y.view(B, H, 1, D)
 
     def chunk(self, q, k, v, input_pos, tokens):
-        """T tokens per sequence on top of what the cache holds (a chat's next
-        turn, a long prompt in pieces): written to the slots `reserve` handed
-        out, each query attends to what its segment holds and, causally, to the
-        chunk, and every held token gains the attention the chunk gave it. The
-        chunk counts as read, like the prompt (policies size their windows by
-        what was read); what each policy keeps of it is settled at the next
-        `reserve`, as for tokens decoded one by one with eviction deferred to
-        the chunk's end. A sequence of the batch may take fewer than T
-        (`reserve`'s counts); its other tokens are padding, never held."""
+        """T tokens per sequence, as T decode steps whose eviction waits for `reserve`. It counts
+        as read, like the prompt (policies size windows by what was read). A sequence may take
+        fewer than T (`reserve`'s counts); its other tokens are padding, never held."""
         B, H, T, D = q.shape
         K = self.n_kv_heads
         S = B * K
@@ -404,14 +356,10 @@ class FastGenCache(Cache):
         return y.view(B, H, T, D)
 
     def choose_again(self, profiles: list[Profile]):
-        """Choose every segment's policy again, as `decide` chose it from the
-        prompt, from a Profile of what each group's segments hold now (a chunk's
-        last rows, or what was read again): each policy's recovery of it and,
-        under a budget, its cost, within the budget of what a full cache will
-        hold by the planned end. Segments stay in their groups; the next
-        eviction asks their new policies. A policy that reads the latest
-        query's attention is offered only where the pool keeps it, and a
-        policy at another precision than the segment's tokens are stored at never."""
+        """Choose each segment's policy again from a Profile of what each group holds now (under a
+        budget, within a share of what a full cache holds by the planned end); segments stay in
+        their groups. A policy is offered only at the precision its segment is stored at, and only
+        if the pool keeps what it reads."""
         P, device = self.policies, self.prompt_lens.device
         new = max(self.max_new_tokens - 1 - self.steps, 0)
         S, M = len(self.choice), len(P)
@@ -453,14 +401,12 @@ class FastGenCache(Cache):
     # --- What the cache holds ------------------------------------------------------
 
     def seen(self) -> torch.Tensor:
-        """(S,) tokens each segment's sequence has seen: what it read (the prompt
-        and every chunk) and one per step reserved (between steps, every
-        reserved step has run)."""
+        """(S,) tokens each segment's sequence has seen: the prompt, every chunk, and one per
+        reserved step (between steps, every reserved step has run)."""
         return self.seg_prompt_len + self.steps
 
     @property
     def steps(self) -> int:
-        """Decode steps reserved so far."""
         return self.clock.steps
 
     def slots(self, g: pool.Group) -> Slots:
@@ -471,18 +417,16 @@ class FastGenCache(Cache):
                      g.block(p.last) if "last" in p.fields else None)
 
     def need(self) -> int:
-        """Free slots each segment needs until the next eviction (or, past the
-        tokens planned, as in a chat, a round's worth)."""
+        """Free slots each segment needs until the next eviction (past the tokens planned, as in
+        a chat, a round's worth)."""
         E = self.evict_every
         remaining = self.max_new_tokens - 1 - self.steps
         return min(E - self.clock.since % E, remaining) if remaining > 0 else E
 
     def token_bytes(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """What a kept token costs under each policy, (M,), what a segment pays
-        besides, (M,), and what a token costs in a full cache: with `bits`, the
-        bytes of its key and value and of its slot's other fields, a 4- or 2-bit
-        head's window (quant.window_bytes), and a full cache's K and V in 16
-        bits; else 1, 0 and 1, a budget counted in tokens."""
+        """Per policy (M,), a kept token's cost and a segment's besides, and a full cache's token
+        cost: with `bits`, bytes of key, value and slot, a 4- or 2-bit head's window
+        (quant.window_bytes), and 16-bit K and V; else 1, 0 and 1 (a budget in tokens)."""
         M, device = len(self.policies), self.prompt_lens.device
         if self.bits is None:
             return torch.ones(M, dtype=torch.long, device=device), torch.zeros(
@@ -494,11 +438,9 @@ class FastGenCache(Cache):
 
     @staticmethod
     def reserve(caches: list[FastGenCache], tokens=1):
-        """Cache.reserve: `reserve` below, for every layer at once."""
         reserve(caches, tokens)
 
     def nbytes(self) -> int:
-        """Bytes the cache really holds: K, V and every index and score tensor."""
         if self.pool is None:
             return 0
         own = (self.seg_prompt_len, self.seg_first_query, self.evicts_by, self.drops_by)
@@ -515,20 +457,17 @@ class FastGenCache(Cache):
         return [self.policies[i] for i in self.choice.tolist()]
 
     def plan_names(self) -> list[str]:
-        """`plan` as text, each policy with its precision where the menu has several."""
         if self.bits is None:
             return [repr(p) for p in self.plan()]
         return [f"{self.policies[i]!r} @{self.bits[i]} bits" for i in self.choice.tolist()]
 
 
-# --- 2, 3. Profile, choose, compress: several layers at once ---------------------
+# --- 2. Decide: profile, choose, compress, several layers at once -----------------
 
 class Pending:
-    """The layers of a model whose prompts wait to be profiled and compressed:
-    they decide together once the last layer has come, or every `every`
-    layers (a budget those layers' heads share), or else once what they hold
-    would pass `max_bytes`. Under tensor parallel, `heads` (tp.Heads) shares
-    the budget's tables among the ranks, so that it spans every rank's heads."""
+    """Layers whose prompts wait to be profiled and compressed: they decide once the last layer
+    has come, every `every` layers (whose heads share a budget), or once what they hold would
+    pass `max_bytes`. `heads` (tp.Heads) spans the budget over every tensor-parallel rank."""
 
     def __init__(self, layers: int, max_bytes: int = HELD_BYTES, every: int | None = None,
                  heads=None):
@@ -549,7 +488,6 @@ class Pending:
             self.flush()
 
     def flush(self):
-        """Decide for every layer waiting, now (`every` layers at a time)."""
         every = self.every or max(len(self.waiting), 1)
         for i in range(0, len(self.waiting), every):
             decide(self.waiting[i:i + every])
@@ -557,10 +495,7 @@ class Pending:
 
 
 def decide(caches: list[FastGenCache]):
-    """Profile, choose and compress, for several layers' prompts at once: the
-    layers stacked as one batch of sequences, profiled and scored by every
-    policy together; each layer then chooses and builds its pool. The layers
-    must share their method (`fastgen_caches` makes them so)."""
+    """Profile, choose and compress several layers' prompts as one batch of sequences."""
     t0 = _clock(caches[0].prompt_lens.device)
     first = caches[0]
     if any((c.method, c.max_new_tokens) != (first.method, first.max_new_tokens) for c in caches):
@@ -577,7 +512,7 @@ def decide(caches: list[FastGenCache]):
         recovery = recovery - errors
         for c, e in zip(caches, errors.view(len(caches), -1, errors.shape[1])):
             c.errors = e
-    # The prompt's (L * S, T) slots and recoveries (L * S, M); each policy's keep (M, L * S, T).
+    # The prompt's (L * S, T) slots and recoveries (L * S, M); keeps (M, L * S, T).
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])
     growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
     choose_policies(caches, prompt, recovery, keeps, growth)
@@ -589,9 +524,7 @@ def decide(caches: list[FastGenCache]):
 
 
 def profile_layers(caches: list[FastGenCache]) -> Profile:
-    """Profiling's sums for the layers waiting in `decide` (weighed by value
-    norms where the method says so): the layers as one batch of sequences, a
-    pass for as many as hold HELD_BYTES."""
+    """Profiling's sums of the layers in `decide`, as one batch, a pass per HELD_BYTES of them."""
     first, method = caches[0], caches[0].method
     per = max(1, HELD_BYTES // sum(t.nbytes for t in first.held[:3]))
     parts = []
@@ -613,19 +546,14 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
 
 
 def banded(policies: list[Policy]) -> list[float]:
-    """The Local ratios whose band sums profiling takes, for the recoveries:
-    none for a single policy (a fixed one), which has nothing to choose. Bands
-    cost an extra pass over every row read, one per ratio."""
+    """Local ratios to band-sum (a pass per ratio over every row read); none for one policy."""
     return local_ratios(policies) if len(policies) > 1 else []
 
 
 def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, growth):
-    """Each layer's `choice`, (S,): under a threshold, the shortlist's first
-    policy that reaches it; under a budget, the knapsack (profiling.fit_budgets)
-    that minimizes the heads' squared losses (profiling.squared_losses) with
-    their costs, the prompt tokens each policy keeps plus what it will keep of
-    the new ones, within a share of what each sequence's full cache would hold
-    in these layers (`knapsacks`)."""
+    """Each layer's `choice`, (S,): under a threshold, the shortlist's first policy to reach it;
+    under a budget, the `knapsacks` minimizing the heads' squared losses, a policy costing the
+    prompt tokens it keeps plus what it will keep of the new ones."""
     L, M = len(caches), len(caches[0].policies)
     if recovery is None:  # a single policy: every segment's
         for c in caches:
@@ -658,11 +586,9 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
 
 
 def knapsacks(values, costs, budgets):
-    """profiling.fit_budgets, one knapsack per sequence over the heads of n
-    layers: values and costs (n, B * K, M), budgets (n, B) each layer's share
-    of each sequence's. A sequence's plan is then the same alone or in any
-    batch. Returns the picks (n, B * K) and what each layer spent of each
-    sequence's budget, (n, B)."""
+    """profiling.fit_budgets, one knapsack per sequence over the heads of n layers, so that a
+    sequence's plan is the same alone or in any batch. values, costs (n, B * K, M); budgets
+    (n, B), each layer's share. Returns picks (n, B * K) and each layer's spend (n, B)."""
     n, S, M = values.shape
     B = budgets.shape[1]
     rows = lambda t: t.reshape(n, B, S // B, M).transpose(0, 1).reshape(B, -1, M)  # noqa: E731
@@ -673,9 +599,7 @@ def knapsacks(values, costs, budgets):
 
 
 def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
-    """Keep of each segment's prompt what its policy keeps: each layer's pool
-    laid out on the host, then filled from its prompt (pool.fill_from_prompt).
-    prompt: the layers' (L * S, T) slots; keeps (M, L * S, T), growth (L * S, M)."""
+    """Keep what each segment's policy keeps of its prompt: lay out pools on the host, fill them."""
     choice = torch.cat([c.choice for c in caches])
     every = torch.arange(len(choice), device=choice.device)
     keep = keeps[choice, every]  # (L * S, T)
@@ -690,14 +614,12 @@ def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
     pool.fill_from_prompt([c.pool for c in caches], fields, keep, [c.held[1:3] for c in caches])
 
 
-# --- 5. Between steps: evict, hand out slots ----------------------------------------
+# --- 4. Between steps: evict, hand out slots ---------------------------------------
 
 def reserve(caches: list[FastGenCache], tokens=1):
-    """Before every step, outside compiled code, for every layer's cache: evict
-    when due (all the layers due at once), hand out free slots when the last
-    ones are used, and point the step at its slots. `tokens`: what the step
-    takes per sequence, 1 (a decode step) or a chunk's T, or (B,) counts of a
-    chunk whose sequences take fewer (the rest padding)."""
+    """Before every step, outside compiled code: evict what is due (all due layers at once), hand
+    out free slots when the last are used, point the step at its slots. `tokens` per sequence:
+    1, a chunk's T, or (B,) counts (the rest padding)."""
     counts = None if isinstance(tokens, int) else torch.as_tensor(tokens)
     T = tokens if counts is None else int(counts.max())
     evicting = [c for c in caches if c.clock.since >= c.evict_every]
@@ -723,13 +645,10 @@ def reserve(caches: list[FastGenCache], tokens=1):
 
 
 def evict(caches: list[FastGenCache]):
-    """Free what each segment's policy no longer keeps, in every layer given:
-    each policy is asked once, about its own segments of all the layers
-    (pool.evict lays them out as padded rows). The layers must share one list
-    of policies (`fastgen_caches` makes them so)."""
+    """Free what each segment's policy lets go, asking each policy once about its segments of
+    all the layers (pool.evict pads them into rows): the layers must share one list of policies."""
     due = []
     for c in caches:
-        # After a chunk, every policy but Full says what it keeps of what was read.
         by, asks = (c.drops_by, c.drops) if c.clock.read else (c.evicts_by, c.evicting)
         c.clock.since, c.clock.read = 0, False
         if asks:
@@ -749,9 +668,8 @@ def evict(caches: list[FastGenCache]):
 
 
 def reading_again(caches: list[FastGenCache], counts=None):
-    """Before each piece of a context read again (generation.read_again), the
-    tokens (B,) of each sequence it holds; with None, the reading is over:
-    every layer profiles what it gave and decides."""
+    """Before each piece of a reading again (generation.read_again), its tokens (B,) per
+    sequence; None ends the reading: every layer profiles what it gave and decides."""
     if counts is None:
         for c in caches:
             c.rereading = False
@@ -768,8 +686,7 @@ def reading_again(caches: list[FastGenCache], counts=None):
 
 def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, token_flags=None,
                    *, page: int | None = None, eager: bool = True, heads=None):
-    """One FastGenCache per layer of `model`, deciding together (`Pending`):
-    under a budget, every SCOPE layers; `heads`: tensor parallel's (tp.Heads)."""
+    """One FastGenCache per layer of `model`, deciding together (`Pending`); `heads`: tp.Heads."""
     device = model.tok_embeddings.weight.device
     lens = torch.as_tensor(prompt_lens, device=device)
     if token_flags is None:  # no tokenizer at hand: Special then keeps only the first token

@@ -1,16 +1,19 @@
 """The page pool a FastGen cache stands on: where each head's kept tokens live.
 
-cache.py is the method; this is the storage beneath it. A *segment* is one
-(sequence, KV head) pair. A layer's pool is N pages of P slots: V as (N, P, D),
-and every slot has a position (-1: empty), a heavy-hitter score, token flags
-and the attention the latest query gave it. Each segment owns a run of pages.
-Segments that share a policy and hold about as many tokens form a `Group`,
-whose pages sit together as an (n, C) block, C slots per segment, so that a
-policy reads them as the padded rows it ranks. A head that keeps 5% of the
-prompt therefore allocates about 5% of a full head's bytes, rounded up to a
-page.
+cache.py is the method, this the storage beneath it; kernels.py attends over it. A *segment*
+is one (sequence, KV head) pair. A layer's pool is N pages of P slots: V as (N, P, D), and per
+slot a position (-1: empty), a heavy-hitter score, token flags and the latest query's attention.
+Segments that share a policy and hold about as many tokens form a `Group`, an (n, C) block of
+pages that the policy reads as the padded rows it ranks: a head that keeps 5% of the prompt
+allocates about 5% of a full head's bytes.
 
-The interface the cache uses, one layer at a time:
+Each group stores K and V at its policy's precision (quant.py); the groups of one precision form
+a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
+minima). A part at 4 or 2 bits also keeps each segment's newest WINDOW tokens in 16 bits (its
+*window*), read instead of their codes. `PagedPool` keeps K as pages (N, D, P) and pieces each
+segment's softmax together from its pages; `MaskedPool`, for small unquantized pools attended
+eagerly, keeps K as one (D, N * P) and attends every query to every slot, kept to its own by a
+bias. The interface the cache uses, one layer at a time:
 
     build(...)          lay a pool out for what each segment keeps of its prompt
     fill_from_prompt    fill the pools of several layers from their prompts
@@ -20,20 +23,6 @@ The interface the cache uses, one layer at a time:
     Pool.attend_chunk   a chunk's queries over the slots, scored: several tokens at once
     evict               each policy's rows of several layers; frees what it drops
     hand_out            every segment's next free slots; groups that run short grow
-
-Two layouts implement the same pool. `PagedPool` keeps K as pages (N, D, P)
-(scoring a page is then a plain (G, D) x (D, P) product, on CPU markedly
-faster than against (P, D)) and pieces each segment's softmax together from
-its pages. `MaskedPool`, for small pools attended eagerly, keeps K as one
-(D, N * P) and attends every query to every slot, kept to its own by a bias.
-
-Each group stores its keys and values at its policy's precision (quant.py):
-the groups of one precision sit together as a *part* of the pages, whose K
-and V live in tensors of their own (K and V in the model's dtype or float16,
-or codes with their scales and minima), read back in the model's dtype when
-attended. Only the paged layout holds quantized parts. A part at 4 or 2 bits
-also keeps each segment's newest WINDOW tokens in 16 bits (its *window*),
-read instead of their codes while they are held.
 """
 from __future__ import annotations
 
@@ -49,47 +38,36 @@ import torch.nn as nn
 from kernels import masked_attention, paged_attention, slot_bias
 from quant import WINDOW, channel_factors, dequantize, quantize, rounds, storage_dtype, windowed
 
-# Letters in shape comments: S segments, G query heads per KV head, n segments
-# in a group, N pages, P slots per page, C slots per segment in a group,
-# M = N * P slots, D head dimension.
+# Letters in shape comments: S segments, G query heads per KV head, n segments in a group,
+# N pages, P slots per page, C slots per segment in a group, M = N * P slots, D head dimension.
 
 # Slots per page: a segment wastes at most a page minus one slot to rounding, and
 # a page is one small matrix product per step, so pages grow with the prompt.
 MIN_PAGE, MAX_PAGE = 4, 128
-# Segments share a group while the largest holds at most this much more than
-# the smallest (plus a page): the rest of a group's width is padding.
+# Segments share a group while the largest holds at most this much more than the smallest
+# (plus a page): the rest of a group's width is padding.
 SPREAD = 1.05
-# An eager step attends with `masked_attention` while a layer's scores (every
-# query against every slot of the pool) are at most this many floats, else with
-# `paged_attention`: batch 1 up to about 2k tokens and batch 2 at 512 on
-# SmolLM2. Compiled, where the pages' softmax fuses, every layer attends with
-# `paged_attention`: it was the faster at every size measured.
+# An eager step uses `masked_attention` while its scores (every query by every slot) are at most
+# this many floats; compiled, where the pages' softmax fuses, `paged_attention` always wins.
 MASKED_SCORES = 1 << 15
-# Queries of a chunk scored at once (`Pool.attend_chunk`): their scores against
-# a few thousand slots stay a few MB.
+# Queries of a chunk scored at once: their scores against a few thousand slots stay a few MB.
 CHUNK_ROWS = 128
 # The pool's per-slot tensors and what an empty slot holds.
 SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
 
 
 def slot_bytes(reads_last: bool) -> int:
-    """Bytes a slot holds besides its key and value: position (int32), score
-    (float32), flags (uint8) and, for a policy that reads it, the latest
-    query's attention (float32)."""
+    """Bytes a slot holds besides K and V: position, score, flags and, if read, `last`."""
     return 4 + 4 + 1 + 4 * reads_last
 
 
 def window(bits: int) -> list[str]:
-    """The tensors a part at 4 or 2 bits (quant.windowed) keeps its segments'
-    windows in: K (divided by the key factors) and V in 16 bits (n, WINDOW, D),
-    and each entry's position (-1: none) and slot (n, WINDOW)."""
+    """A window's K (over the key factors), V (n, WINDOW, D), positions (-1: none), slots."""
     return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
 
 
 def stored(bits: int | None) -> list[str]:
-    """The tensors a part of precision `bits` keeps its K and V in: "k" and "v"
-    unquantized (None: in the model's dtype; 16: in 16 bits), else codes,
-    scales and minima."""
+    """A part's K, V tensors: "k", "v" (None: model dtype; 16: 16 bits) or codes, scales, minima."""
     if not rounds(bits):
         return ["k", "v"]
     return [f"{x}{bits}{part}" for x in "kv" for part in ("", "_scale", "_low")]
@@ -97,8 +75,7 @@ def stored(bits: int | None) -> list[str]:
 
 @dataclass
 class Group:
-    """Segments of one layer that follow the same policy, stored as an (n, C)
-    block of the pool: pages first .. first + n * pages, `pages` per segment."""
+    """Segments of one policy, stored as an (n, C) block: pages first .. first + n * pages."""
     policy: int  # the policy's index in the cache's list
     rows: list[int]  # the n segment ids
     growth: float  # the largest share of new tokens a segment's policy holds (Policy.growth)
@@ -111,8 +88,7 @@ class Group:
         return torch.tensor(self.rows)
 
     def block(self, t: torch.Tensor, base: int = 0) -> torch.Tensor:
-        """The group's part of a pool tensor (N, P, ...) as (n, C, ...), a view;
-        of a tensor whose first page is the pool's page `base`, of that part."""
+        """Its part of a pool tensor (N, P, ...) whose first page is `base`, as (n, C, ...)."""
         n = len(self.rows)
         part = t[self.first - base:self.first - base + n * self.pages]
         return part.reshape(n, self.pages * part.shape[1], *part.shape[2:])
@@ -131,9 +107,7 @@ def page_size(prompt_len: int) -> int:
 
 
 def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int]]:
-    """Segments of one policy, their kept sizes sorted: runs within SPREAD (plus
-    a page) of the first, each with the pages per segment that hold its largest
-    size plus `room` new tokens."""
+    """Sorted sizes split into runs within SPREAD; pages for each run's largest plus `room`."""
     runs, start = [], 0
     for i, size in enumerate(sizes):
         if size > sizes[start] * SPREAD + page:
@@ -144,21 +118,16 @@ def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int
 
 
 def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
-    """Whether an eager step attends to a pool with `masked_attention`: while
-    every query's scores over every slot are few (MASKED_SCORES)."""
     return segments * heads_per_kv * slots <= MASKED_SCORES
 
 
 def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
           page: int, every: int, new: int, heads_per_kv: int, eager: bool, device,
           bits: list | None = None) -> Pool:
-    """A pool laid out for what each segment keeps of its prompt (`fill_from_prompt`
-    fills it): on the host, each segment's policy index, its kept tokens and
-    its policy's `growth`; `bits`, each policy index's precision (None: the
-    model's dtype for all). Each group gets room for the new tokens until the
-    first eviction (every `every` tokens), plus what the budget charged its
-    policy for the `new` tokens in all (a quarter of its width at most, as
-    `grow` grows): a group of heads that keep them all never grows."""
+    """A pool laid out on the host from each segment's policy index, kept tokens and `growth`;
+    `bits`: each policy's precision (None: the model's dtype). A group gets room for the tokens
+    until the first eviction, plus what the budget charged its policy for the `new` tokens (a
+    quarter of its width at most, as in `grow`): a group of heads that keep all never grows."""
     room = min(every, new)
     new = max(new - room, 0)
     groups = []
@@ -184,8 +153,7 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
 
 
 class Pool(nn.Module, abc.ABC):
-    """One layer's pool of pages. The two layouts, `PagedPool` and `MaskedPool`,
-    say how K is stored, written and attended."""
+    """One layer's pool of pages; the layouts say how K is stored, written and attended."""
 
     def __init__(self, groups: list[Group], page: int, every: int, fields: dict, segments: int,
                  device):
@@ -200,9 +168,7 @@ class Pool(nn.Module, abc.ABC):
         self.place()
 
     def place(self):
-        """Page offsets of the groups, the owner of every page and each segment's
-        first slot (its slots run on from there, one group row) and their number;
-        each part's precision, first page, pages and segments (`parts`)."""
+        """Lay the groups out: first pages, page owners, segments' first slots, widths, parts."""
         first, owner, S = 0, [], len(self.dest)
         start, width = [0] * S, [0] * S
         parts = {}
@@ -217,13 +183,12 @@ class Pool(nn.Module, abc.ABC):
             first += len(g.rows) * g.pages
         self.size = first * self.page
         self.parts = [(bits, f, n) for bits, (f, n, _) in parts.items()]
-        # What compiled steps read of the parts: their precisions, fixed for the
-        # pool's life, and their first slots as a tensor, which growth changes.
+        # Compiled steps read the precisions (fixed) and first slots (a tensor: growth moves them).
         self.precisions = list(parts)
         device = self.dest.device
         for name, t in dict(owner=owner, start=start, width=width).items():
             self.register_buffer(name, torch.tensor(t, device=device), persistent=False)
-        # Each part's segments and first slot, for its writes, where there are several parts.
+        # Each part's segments and first slot, for its writes, where there are several.
         self.part_rows = [f"rows{bits}" for bits in parts] if len(parts) > 1 else []
         for name, (_, _, rows) in zip(self.part_rows, parts.values()):
             self.register_buffer(name, torch.tensor(sorted(rows), device=device), persistent=False)
@@ -233,19 +198,16 @@ class Pool(nn.Module, abc.ABC):
                 [f * self.page for f, _, _ in parts.values()], device=device), persistent=False)
 
     def part(self, name: str) -> tuple[int, list[Group]]:
-        """The first page of a field's tensor and the groups it holds: a part's
-        K and V hold its own groups' pages, the other fields every page."""
+        """A field's first page and groups: a part's K and V hold its own groups only."""
         if name in SLOT_FIELDS and name not in ("k", "v"):
             return 0, self.groups
         bits, first = next((b, f) for b, f, _ in self.parts if name in stored(b))
         return first, [g for g in self.groups if g.bits == bits]
 
     def fill(self, k, v, rows, fields: dict, source, valid):
-        """Slot i holds row rows[i] of k and v (B, K, T, D), read as the model lays
-        them out, (B * T * K, D), and element source[i] of each of `fields`, flat
-        (an empty slot's keys and values are another token's, never attended to).
-        valid (S, T): each segment's prompt tokens, whose keys set its channel
-        factors where a part rounds them (`quant.channel_factors`)."""
+        """Slot i takes row rows[i] of k and v (B, K, T, D) as (B * T * K, D) and element
+        source[i] of each flat field (an empty slot's K and V are another token's, never
+        attended). valid (S, T): the prompt tokens that set a rounding part's key factors."""
         P, (B, K, T, D) = self.page, k.shape
         self.dtype = k.dtype  # what K and V are read back as
         for name in self.fields:
@@ -276,9 +238,8 @@ class Pool(nn.Module, abc.ABC):
         self.mark_dynamic()
 
     def encode(self, bits, k, v, seg=None) -> dict:
-        """Rows of k and v (n, D) as a part of precision `bits` stores them, (n, ...)
-        each. The rows are the segments seg's (None: every segment's, in order), the
-        same number of consecutive rows each; read only when rounding."""
+        """Rows of k, v (n, D) as the part stores them; seg: their segments when rounding, as
+        many consecutive rows each (None: every segment, in order)."""
         if not rounds(bits):  # the model's dtype (a no-op) or 16 bits
             dtype = self.dtype if bits is None else storage_dtype(bits, self.dtype)
             return dict(k=k.to(dtype), v=v.to(dtype))
@@ -287,8 +248,7 @@ class Pool(nn.Module, abc.ABC):
         return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
 
     def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
-        """A part's K as (n, D, P) and V as (n, P, D) pages, in the model's dtype;
-        a rounding part's window read instead of its codes where still held."""
+        """A part's K (n, D, P) and V (n, P, D) in the model's dtype, windows applied."""
         if not rounds(bits):
             return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
         codes = [getattr(self, name) for name in stored(bits)]
@@ -315,11 +275,8 @@ class Pool(nn.Module, abc.ABC):
         return k, v
 
     # --- A decode step -----------------------------------------------------------
-
     def write(self, k, v, pos, flags, slot=None, per: int = 1):
-        """Each segment's new token, k and v (S, D), its position and flags (S,),
-        into the slot `dest` holds for it; or `per` tokens of each segment,
-        (S * per, D) and (S * per,), into `slot`. Each part quantizes its own."""
+        """Each segment's new token, k, v (S, D), pos, flags (S,), to `dest`, or `per` to `slot`."""
         slot = self.dest if slot is None else slot
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         self.flags.view(-1).index_copy_(0, slot, flags)
@@ -353,15 +310,11 @@ class Pool(nn.Module, abc.ABC):
         self.score += last
 
     def attend_chunk(self, q, at, valid, observe: int = 0):
-        """T queries per segment, q (S, G, T, D), at positions at (S, T), each
-        over the slots its segment holds up to its own position (the chunk's
-        keys are written already): the output (S, G, T, D). Every slot's score
-        gains the attention the valid queries (valid: (S, T) bool) gave it, and
-        `last` becomes the latest valid query's. A group at a time, as (n, C)
-        rows in float32, CHUNK_ROWS queries at a time: the scores of a whole
-        chunk would weigh more than the cache. With `observe`, `self.observed`
-        holds for each group the attention of the chunk's last `observe` rows,
-        (n, observe, C), averaged over the G query heads."""
+        """T queries a segment, q (S, G, T, D) at positions at (S, T), each over its segment's
+        slots up to its position (the chunk's keys are written already): the output
+        (S, G, T, D). Scores gain the valid queries' attention, `last` the latest's. A group and
+        CHUNK_ROWS queries at a time: a chunk's scores would outweigh the cache.
+        `self.observed`: each group's last `observe` rows, (n, observe, C), averaged over G."""
         S, G, T, D = q.shape
         y = q.new_empty(q.shape)
         self.observed = []
@@ -395,9 +348,8 @@ class Pool(nn.Module, abc.ABC):
         return y
 
     # --- The window: each 4- or 2-bit segment's newest tokens, also in 16 bits ------
-
     def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
-        """A part's segments (n,) and each one's slots, (n, C) padded with -1."""
+        """A part's segments (n,) and their slots (n, C), padded with -1."""
         segs = (getattr(self, f"rows{bits}") if self.part_rows
                 else torch.arange(len(self.dest), device=self.dest.device))
         start, width = self.start.index_select(0, segs), self.width.index_select(0, segs)
@@ -406,7 +358,6 @@ class Pool(nn.Module, abc.ABC):
 
     @staticmethod
     def window_entries(n: int, width: int, like: torch.Tensor) -> list[torch.Tensor]:
-        """n segments' windows of `width` entries, empty: K, V, positions (-1), slots."""
         D, dtype, device = like.shape[-1], storage_dtype(16, like.dtype), like.device
         return [torch.zeros(n, width, D, dtype=dtype, device=device),
                 torch.zeros(n, width, D, dtype=dtype, device=device),
@@ -414,9 +365,7 @@ class Pool(nn.Module, abc.ABC):
                 torch.zeros(n, width, dtype=torch.long, device=device)]
 
     def remember(self, bits, segs, k, v, pos, slot):
-        """The segments segs (n,) held tokens k, v (n, c, D) at positions pos and
-        slots slot (n, c): each segment's window keeps the newest of what it had
-        and these, as many as it has entries."""
+        """Segments segs wrote k, v (n, c, D) at pos, slot (n, c): each window keeps the newest."""
         k = k / self.key_factors.index_select(0, segs)[:, None].to(k.dtype)
         names = window(bits)
         new = (k, v, pos.to(torch.int32), slot)
@@ -428,9 +377,8 @@ class Pool(nn.Module, abc.ABC):
             getattr(self, name).copy_(t.gather(1, at))
 
     def relink(self):
-        """After the slots moved (`widen`, `compact`): each window entry pointed
-        at its token's new slot or, where the token is gone, at its segment's
-        first slot, which cannot hold its position (it stays in the window)."""
+        """After slots moved: each window entry pointed at its token's new slot or, if gone, at
+        its row's first slot, which cannot hold its position, so the entry reads nothing."""
         for bits in filter(windowed, self.precisions):
             _, _, pos, slot = (getattr(self, name) for name in window(bits))
             _, slots = self.rows_of(bits)
@@ -439,16 +387,14 @@ class Pool(nn.Module, abc.ABC):
             slot.copy_(slots.gather(1, match.int().argmax(-1)))  # slot 0 of the row if none
 
     # --- Between steps -----------------------------------------------------------
-
     def next_slot(self, n: int = 1):
-        """Point the step at each segment's next free slot (`dest`), or a chunk
-        at its next n (`taken`)."""
+        """Point a step at each segment's next free slot (`dest`), or a chunk at n (`taken`)."""
         if n == 1:
             self.dest.copy_(self.free[:, self.cursor.at])
         self.cursor.at += n
 
     def taken(self, n: int) -> torch.Tensor:
-        """(S, n): the slots a chunk of n tokens was pointed at (`next_slot(n)`)."""
+        """(S, n): the slots `next_slot(n)` pointed a chunk at."""
         return self.free[:, self.cursor.at - n:self.cursor.at]
 
     def left(self) -> int:
@@ -456,17 +402,15 @@ class Pool(nn.Module, abc.ABC):
         return self.free.shape[1] - self.cursor.at
 
     def grow(self, counts: list[int], need: int, remaining: int) -> bool:
-        """Widen the groups in which a segment has fewer than `need` free slots
-        (counts: each segment's), `remaining` tokens before the planned end;
-        whether any did."""
+        """Widen the groups where a segment has fewer than `need` free slots (`counts`),
+        `remaining` tokens before the planned end; whether any grew."""
         E, P = self.every, self.page
         grow = {}
         for i, g in enumerate(self.groups):
             least = min(counts[s] for s in g.rows)
             if least < need:
-                # Grow to what the budget charged the policy for the rest of the
-                # generation (a quarter more at most), and a round more: a group
-                # of Full heads grows once, not every other round.
+                # What the budget charged the policy for the rest (a quarter more at most)
+                # and a round more: a group of Full heads grows once, not every other round.
                 planned = min(math.ceil(g.growth * max(remaining, 0)), g.pages * P // 4)
                 grow[i] = -(-(max(need, planned) + E - least) // P)
         if grow:
@@ -474,7 +418,7 @@ class Pool(nn.Module, abc.ABC):
         return bool(grow)
 
     def widen(self, grow: dict[int, int]):
-        """Add `grow[i]` empty pages to each segment of group i; the pool is rebuilt."""
+        """Add `grow[i]` empty pages to each segment of group i."""
         parts = {name: [] for name in self.fields}
         for name, empty in self.fields.items():
             base, groups = self.part(name)
@@ -495,10 +439,8 @@ class Pool(nn.Module, abc.ABC):
         self.mark_dynamic()
 
     def compact(self, room: int):
-        """After a chunk's eviction: each segment's tokens moved to the front of
-        its row, in slot order, and every group cut to the pages its fullest
-        segment needs plus `room` free slots, so that the slots a chunk took
-        and its policies let go are given back. The pool is rebuilt."""
+        """After a chunk's eviction: tokens to their rows' fronts, groups cut to their fullest
+        segment's pages plus `room`, giving back what the chunk took and its policies let go."""
         P = self.page
         held = [g.block(self.pos) >= 0 for g in self.groups]  # (n, C) each
         most = torch.stack([h.sum(1).max() for h in held]).tolist()  # one host sync
@@ -528,11 +470,9 @@ class Pool(nn.Module, abc.ABC):
         self.mark_dynamic()
 
     # --- What the pool holds -----------------------------------------------------
-
     STATE = ("owner", "start", "width", "dest", "free")
 
     def nbytes(self) -> int:
-        """Bytes really held: the slots' fields and every index tensor."""
         names = (*self.fields, *self.STATE, *self.part_rows,
                  *(["key_factors"] if self.rounds_keys else []),
                  *(name for b in filter(windowed, self.precisions) for name in window(b)))
@@ -542,8 +482,7 @@ class Pool(nn.Module, abc.ABC):
         return int((self.pos >= 0).sum())
 
     def mark_dynamic(self):
-        """Compiled code sees the pool's page count as dynamic from the first step:
-        a growth, in whichever layer, then needs no new graph."""
+        """The page count is dynamic from the first step: a growth needs no new graph."""
         for name in (*self.fields, "owner"):
             torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
 
@@ -558,9 +497,7 @@ class Pool(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def attend(self, q):
-        """One query per segment, q (S, G, D), over the slots it holds: the output
-        (S, G, D) and the attention each slot got, (N, P) in float32, averaged
-        over the G query heads."""
+        """One query per segment, q (S, G, D), over its slots: as kernels.paged_attention."""
 
     def pages(self, name: str) -> torch.Tensor:
         """A field as pages, (N, P, ...) or K's (N, D, P)."""
@@ -581,7 +518,8 @@ class Pool(nn.Module, abc.ABC):
 
 
 class PagedPool(Pool):
-    """K as pages (N, D, P); each segment's softmax pieced together from its pages."""
+    """K as pages (N, D, P): scoring a page is a plain (G, D) x (D, P) product, on CPU
+    markedly faster than against (P, D)."""
 
     def keys(self, k):
         return k.view(-1, self.page, k.shape[-1]).transpose(1, 2).contiguous()
@@ -601,8 +539,7 @@ class PagedPool(Pool):
 
 
 class MaskedPool(Pool):
-    """K as one (D, N * P), attended by every query, kept to its own slots by a
-    bfloat16 bias (S, 1, N * P) kept up to date instead of built each step."""
+    """K as one (D, N * P), with a bias (S, 1, N * P) kept up to date, not built each step."""
 
     def keys(self, k):
         return k.T.contiguous()
@@ -641,23 +578,18 @@ class MaskedPool(Pool):
 
 
 # --- Several layers at once -------------------------------------------------------
-# Done a layer at a time, filling, evicting and handing out slots were a few
-# hundred small operations per layer; the layers' pools laid end to end, once.
+# A layer at a time, these were a few hundred small operations per layer; here, once for all.
 
 def ends(pools: list[Pool]) -> tuple[list[int], list[int], torch.Tensor]:
-    """The pools as if laid end to end: each one's slots and first slot there,
-    and every segment's first slot, (sum of S,)."""
+    """The pools end to end: their slots, first slots and every segment's, (sum of S,)."""
     sizes = [p.size for p in pools]
     offsets = [0, *itertools.accumulate(sizes)][:-1]
     return sizes, offsets, torch.cat([p.start + offset for p, offset in zip(pools, offsets)])
 
 
 def fill_from_prompt(pools: list[Pool], fields: dict, keep, kvs: list[tuple]):
-    """Fill the layers' pools from their prompts: where every slot's token comes
-    from found for all the layers at once, the slot fields gathered at once,
-    and each layer's keys and values gathered from its own prompt. fields: the
-    layers' (L * S, T) pos, score, last, flags; keep: (L * S, T) what each
-    segment's policy keeps; kvs: each layer's prompt k and v, (B, K, T, D)."""
+    """Fill the layers' pools. fields: (L * S, T) pos, score, last, flags; keep (L * S, T): what
+    each segment's policy keeps; kvs: each layer's prompt k and v, (B, K, T, D)."""
     sizes, _, start = ends(pools)
     # Kept tokens first, in position order: slot start + n of a segment holds its n-th kept token.
     LS, T = keep.shape
@@ -678,14 +610,10 @@ def fill_from_prompt(pools: list[Pool], fields: dict, keep, kvs: list[tuple]):
 
 
 def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps):
-    """Free what each policy no longer keeps, in every pool given.
-
-    Every segment's slots become one padded row, the rows of all the pools
-    ordered by policy (by: (sum of S,) each segment's policy index among M,
-    -1 for one that never evicts), and `keeps(i, rows, columns)` says which slots policy
-    i keeps of its rows: `rows`, the fields `names` (R, W) padded with their
-    empty values, and `columns`, each (sum of S, 1) per-segment tensor,
-    (R, 1). No segment is ranked by a policy that is not its own."""
+    """Free what each policy no longer keeps. Each segment's slots are a padded row, ordered by
+    policy (by (sum of S,): its index among M, -1 if it never evicts); `keeps(i, rows, columns)`
+    says which slots policy i keeps of its rows: the fields `names` (R, W), padded with empty
+    values, and `columns` (sum of S, 1) as (R, 1). No segment is ranked by another's policy."""
     sizes, _, start = ends(pools)
     flat = {name: torch.cat([getattr(p, name).view(-1) if name in p.fields
                              else p.score.new_zeros(size) for p, size in zip(pools, sizes)])
@@ -720,9 +648,8 @@ def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps)
 
 
 def hand_out(pools: list[Pool], needs: list[int], remaining: list[int]):
-    """Give every segment of every pool its next free slots, `needs` of each
-    pool's, first in slot order; the groups that have fewer grow (`remaining`:
-    each pool's tokens before its planned end). One host sync per need."""
+    """Give each segment its pool's `needs` next free slots; groups with fewer grow
+    (`remaining`: tokens before each pool's planned end). One host sync per need."""
     by_need = {}
     for p, need, left in zip(pools, needs, remaining):
         by_need.setdefault(need, []).append((p, left))
@@ -732,8 +659,7 @@ def hand_out(pools: list[Pool], needs: list[int], remaining: list[int]):
 
 def _hand_out(pools: list[Pool], need: int, remaining: list[int]):
     def running_free():
-        """Running count of free slots over the pools end to end, and its value
-        before each segment's first slot; the pools' offsets."""
+        """Running free-slot count, its value before each segment, starts, offsets."""
         _, offsets, start = ends(pools)
         free = torch.cat([p.pos.view(-1) for p in pools]).lt(0).long()
         running = free.cumsum(0)
@@ -747,8 +673,7 @@ def _hand_out(pools: list[Pool], need: int, remaining: list[int]):
     if any([p.grow(counts[i:j], need, left)
             for p, i, j, left in zip(pools, bounds, bounds[1:], remaining)]):
         running, before, start, offsets = running_free()  # the grown pools moved
-    # Segment s's j-th free slot is where the running count of free slots
-    # reaches the count before its first slot, plus j + 1.
+    # Segment s's j-th free slot is where the running count reaches its count before, plus j + 1.
     wanted = before[:, None] + torch.arange(1, need + 1, device=running.device)
     slots = torch.searchsorted(running, wanted)  # (sum of S, need)
     for p, part, offset in zip(pools, slots.split(segments), offsets):

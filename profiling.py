@@ -1,23 +1,14 @@
 """Prompt-time profiling: how much of each head's attention a policy recovers.
 
-The recovery of a policy is the share of the prompt's attention mass that
-falls on the tokens the policy keeps, averaged over the query rows read (every
-prompt row, as the paper does, or an observation window of the last rows,
-which look more like the queries decoding will bring) and over the query heads
-that share a KV head. Column sums of the attention matrix are all it needs, so
-the matrix is never held whole:
+A policy's recovery is the share of the prompt's attention on the tokens it keeps, averaged over
+the rows read (all, as the paper does, or an observation window of the last, more like decoding's
+queries) and the query heads of a KV head. Column sums suffice; the matrix is never held whole:
 
-    colsum[j]    = sum_i A[i, j]                 attention token j received
-    band_W[j]    = sum_i A[i, j] [i - W < j <= i] the part received from the
-                                                  W queries right after it
+    colsum[j] = sum_i A[i, j]                   attention token j received
+    band_W[j] = sum_i A[i, j] [i - W < j <= i]  the part from the W queries right after it
 
-For a policy whose kept set K does not depend on the query row (everything but
-Local), the mass on K is sum_{j in K} colsum[j]. Local is the one policy whose
-set moves with the query (row i keeps its W most recent tokens), so a union
-with Local recovers, in addition, sum_{j not in K} band_W[j]. The sums are
-accumulated over chunks of query rows. FastGen weighs them (`weigh`; not the
-paper's method): token j's attention counts times the norm of its value,
-what dropping it moves the head's output by.
+A policy keeping one set K for every row recovers sum_{j in K} colsum[j]; Local keeps each row's
+W newest tokens, so a union with it adds sum_{j not in K} band_W[j]. Flash versions: kernels.py.
 """
 from __future__ import annotations
 
@@ -30,18 +21,13 @@ import torch.nn.functional as F
 from policies import Policy, Slots, Union, shares
 from quant import WINDOW, channel_factors, dequantize, quantize, rounds, windowed
 
-# Prompt rows that measure what a precision costs when profiling reads every row.
+# Prompt rows that measure a precision's cost when profiling reads every row.
 ERROR_ROWS = 32
-# Bytes of attention probabilities materialised at once while profiling.
+# Bytes of attention probabilities materialised at once.
 CHUNK_BYTES = 64 << 20
-# Query rows a chunk holds at most when Local bands are summed: a chunk's band
-# strip gathers c * R * c of its probabilities per head, which costs more per
-# value than its other passes, so long chunks paid for the strip quadratically.
+# Most rows per chunk when bands are summed: the band strip gathers c * R * c values per head.
 BAND_ROWS = 128
-# Query rows a chunk holds at least, where splitting the batch allows: a chunk
-# reads every key of the sequences it covers, so one-row chunks over many
-# sequences (a model's layers stacked, as `cache.decide` profiles) would read
-# all the keys once per row, bound by memory traffic.
+# Fewest rows per chunk where the batch can split: each chunk rereads all its sequences' keys.
 MIN_ROWS = 64
 
 
@@ -55,7 +41,6 @@ class Profile:
 
     @staticmethod
     def cat(parts: list["Profile"]) -> "Profile":
-        """The Profiles of several batches of segments as one, in order."""
         cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
         return Profile(cat("colsum"), {r: torch.cat([p.bands[r] for p in parts])
                                        for r in parts[0].bands}, cat("rows"), cat("last"))
@@ -63,15 +48,13 @@ class Profile:
 
 def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    chunk_bytes: int = CHUNK_BYTES) -> Profile:
-    """Column sums of the prompt's causal attention per KV head, in float32,
-    averaged over the G query heads of each; flattened to segments (B * K, ...).
+    """Float32 column sums of the prompt's causal attention per KV head, mean of its G query heads.
 
     q : (B, H, T', D) the queries of the last T' rows (at least the rows read)
     k : (B, K, T, D) the keys
     lens : (B,) prompt lengths; rows at or past them are padding, ignored
     ratios : the Local windows whose band sums to take
-    rows : the last rows of each prompt read; None: every row
-    """
+    rows : the last rows of each prompt read; None: every row"""
     B, K, T, D = k.shape
     H = q.shape[1]
     per = max(1, chunk_bytes // (H * T * 4 * MIN_ROWS))  # sequences at a time
@@ -116,17 +99,13 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
 
 def reread_sums(q, k, v, held_k, held_v, held, counts,
                 chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """The context read again (KVzip's reconstruction): its tokens fed after it,
-    each row attending to the whole context and, causally, to the rows before it.
+    """The context read again (KVzip's reconstruction), each row seeing it and the rows before.
+    Returns the output (B, H, R, D) and each context token's attention, G-head mean, (B * K, T).
 
     q : (B, H, R, D) the queries of the tokens read again; k, v (B, K, R, D) theirs
     held_k, held_v : (B, K, T, D) the context's keys and values
     held : (B, T) bool, the context's keys that exist (the others are padding)
-    counts : (B,) rows of each sequence read again; the others are padding
-
-    Returns the attention output (B, H, R, D) and the attention each context
-    token received from the rows read, summed over them and averaged over the
-    G query heads of each KV head, (B * K, T) in float32."""
+    counts : (B,) rows of each sequence read again; the others are padding"""
     B, H, R, D = q.shape
     K, T = held_k.shape[1], held_k.shape[2]
     G = H // K
@@ -150,21 +129,15 @@ def reread_sums(q, k, v, held_k, held_v, held, counts,
 
 
 def reread_profile(colsum, pos, seen, prompt_len, ratios) -> Profile:
-    """The Profile of a context read again, as one row: the attention each
-    token received (`reread_sums`' colsum (S, C), its tokens at positions pos,
-    (S, C)) over all the context received, so that a policy recovers its share
-    of it. A question after the context sits past its last token (seen (S, 1)
-    tokens), so a Local window recovers what the newest tokens received (its
-    band), ceil(r * prompt_len) of them."""
+    """A context read again as a one-row Profile: colsum (S, C) over its total, tokens at pos
+    (S, C); a question follows the seen (S, 1): Local's band is the newest ceil(r * prompt_len)."""
     colsum = colsum / colsum.sum(1, keepdim=True).clamp(min=1e-12)
     bands = {r: colsum * (pos >= seen - w) for r, w in zip(ratios, shares(ratios, prompt_len))}
     return Profile(colsum, bands, colsum.new_ones(len(colsum)), colsum)
 
 
 def chunk_rows(heads: int, T: int, n_ratios: int, chunk_bytes: int) -> int:
-    """Query rows per chunk: as many as `chunk_bytes` of float32 probabilities
-    hold for `heads` (B * H) heads of T keys, and, when Local bands are summed,
-    few enough that the band strip stays cheap (see BAND_ROWS)."""
+    """Query rows per chunk: as many as `chunk_bytes` of float32 scores hold for `heads` heads."""
     rows = max(1, chunk_bytes // (heads * T * 4))
     if n_ratios:  # a chunk's band strip reads c * R * c of its c * T scores per head
         rows = min(rows, max(32, min(BAND_ROWS, T // (2 * n_ratios))))
@@ -172,34 +145,25 @@ def chunk_rows(heads: int, T: int, n_ratios: int, chunk_bytes: int) -> int:
 
 
 def head_sums(q, kt, future, read) -> torch.Tensor:
-    """(B, K, c, T): the causal attention probabilities of c query rows, summed
-    over the G query heads of each KV head, each row weighted by `read` (B, c).
-    q: (B, K, G, c, D) those rows' queries, kt: (B, K, D, T) the keys, future:
-    (c, F) which of the last F keys each row must not see."""
+    """(B, K, c, T) causal attention of c query rows, summed over G heads, weighted by read (B, c);
+    q (B, K, G, c, D), kt (B, K, D, T), future (c, F): the last F keys each row must not see."""
     B, K, G, c, D = q.shape
     T = kt.shape[-1]
     scores = (q.float() / math.sqrt(D)).reshape(B, K, G * c, D) @ kt
-    # These (B, K, G, c, T) scores are the cost of profiling: every pass over
-    # them is in place, and the G heads are summed first; the column sums,
-    # the last row and the band strip read those (B, K, c, T) sums.
+    # The (B, K, G, c, T) scores are profiling's cost: all passes run in place, G summed first.
     e = scores.view(B, K, G, c, T)
     e[..., T - future.shape[-1]:].masked_fill_(future, -float("inf"))  # causal
     e = e.sub_(e.amax(-1, keepdim=True)).exp_()
-    # A row's weight: one over its softmax sum where read, zero where not.
     p = e.mul_(read[:, None, None, :, None] / e.sum(-1, keepdim=True))  # probabilities
     return p.sum(2)
 
 
 def add_bands(bands, rows_sum, chunk, windows, cols, i0: int) -> None:
-    """Add to `bands` (R, B, K, T) what the chunk's rows, from row i0, give
-    each token's band for each Local window `windows` (R, B). rows_sum: (B, K,
-    c, T) the chunk's probabilities summed over heads, chunk: their sum over rows."""
+    """Add to `bands` (R, B, K, T) the chunk's share (its rows from i0) of each window's band."""
     B, K, c, T = rows_sum.shape
     R = len(windows)
-    # Token j's band (rows j .. j + W - 1) takes this chunk's whole column
-    # when it ends at or past the chunk's last row (j >= i0 + c - W), and
-    # nothing when it ends before its first; in between lie c - 1 tokens,
-    # j = i0 - W + 1 + t, whose band takes the chunk's rows up to i0 + t.
+    # Token j's band (rows j .. j + W - 1) takes the chunk's whole column if j >= i0 + c - W, none
+    # if j + W <= i0; the c - 1 tokens between, j = i0 - W + 1 + t, take its rows up to i0 + t.
     bands += chunk * (cols >= i0 + c - windows[..., None])[:, :, None]  # (R, B, K, T)
     strip = i0 - windows[..., None] + 1 + cols[:c - 1]  # (R, B, c - 1)
     at = strip.clamp(min=0).permute(1, 0, 2).reshape(B, 1, 1, -1)
@@ -212,10 +176,8 @@ def add_bands(bands, rows_sum, chunk, windows, cols, i0: int) -> None:
 
 def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1,
                  span: int = 1) -> Slots:
-    """The prompts as the slots policies rank, one row per segment of `layers`
-    layers stacked, (layers * B * K, T): each token's position (-1 past its
-    prompt's end), its score (the attention the rows read gave it, `carried`
-    `span` tokens on), its flags from `flags` (B, T), and the first row read."""
+    """The prompts as slots (layers * B * K, T), `layers` layers stacked: position (-1 past the
+    end), score (the attention read, `carried` `span` tokens on), flags (B, T), first row read."""
     T = flags.shape[1]
     per_seg = lambda t: t.repeat_interleave(n_kv_heads, dim=0).repeat(  # noqa: E731
         layers, *[1] * (t.dim() - 1))  # (B, ...) -> (layers * B * K, ...)
@@ -227,21 +189,17 @@ def prompt_slots(sums: Profile, lens, flags, n_kv_heads: int, layers: int = 1,
 
 
 def carried(colsum, span: int) -> torch.Tensor:
-    """(S, T) each token's score: the most attention any of the `span` tokens
-    up to it (itself and the span - 1 before it) received. An answer copies a
-    number or a name token after token, each step attending to the token after
-    the last one copied, which the question itself barely looked at."""
+    """(S, T) the most attention any of the `span` tokens up to each received: an answer copying a
+    name attends, token by token, past the last one copied, which the question barely saw."""
     if span <= 1:
         return colsum
     return F.max_pool1d(F.pad(colsum[:, None], (span - 1, 0)), span, 1)[:, 0]
 
 
 def weigh(sums: Profile, v) -> Profile:
-    """`sums` with the attention each token received weighted by the norm of
-    its value, |v_j| (v: (B, K, T, D), the segments' values): what a head's
-    output loses when token j goes is its attention times its value, not its
-    attention alone. Scaled per segment so that the rows read keep their mass
-    (recoveries divide by it, and decoding adds plain attention to the scores)."""
+    """`sums` with token j's attention times its value's norm |v_j| (v: (B, K, T, D); not the
+    paper's method): what the output loses without j. Scaled per segment so the rows read keep
+    their mass (recoveries divide by it; decoding adds plain attention to the scores)."""
     w = v.float().norm(dim=-1).flatten(0, 1)  # (S, T)
     w = w * sums.colsum.sum(1, keepdim=True) / (sums.colsum * w).sum(1, keepdim=True).clamp(
         min=1e-12)
@@ -250,10 +208,8 @@ def weigh(sums: Profile, v) -> Profile:
 
 
 def held_profile(probs, held: Slots, rows, ratios) -> Profile:
-    """A Profile of what segments hold, from the attention of some query rows:
-    probs (S, R, C) over the held slots (C, in any order), the rows at
-    positions rows (S, R). As `attention_sums` reads a prompt, with the slots
-    for columns: a Local band counts the rows within its window of a token."""
+    """A Profile of held slots (any order) from R query rows at positions rows (S, R), probs
+    (S, R, C), read as `attention_sums` reads a prompt: a band counts rows within its window."""
     windows = shares(ratios, held.prompt_len)  # (ratios, S, 1)
     bands = {r: (probs * (held.pos[:, None] > rows[..., None] - w[:, None])).sum(1)
              for r, w in zip(ratios, windows)}
@@ -263,17 +219,16 @@ def held_profile(probs, held: Slots, rows, ratios) -> Profile:
 
 def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
                      window: int | None = None) -> torch.Tensor:
-    """(B * K, len(bits)): what storing each segment's keys and values in `bits`
-    costs the last `rows` prompt rows read (None: the last ERROR_ROWS): the attention
-    mass its rounded keys move (half the L1 distance between the attention
-    rows, 0 to 1) plus the share of the attention output its rounded values
-    change, |A (V_b - V)| / |A V|, averaged over the rows and the G query heads
-    of each KV head. The paper's criterion, |A - softmax(Q K_C^T)| <= 1 - T,
-    for a compression C that rounds instead of dropping. 16 bits costs nothing,
-    and neither do the newest `window` tokens (None: WINDOW) where the precision
-    keeps them in 16 bits (quant.windowed).
+    """(B * K, len(bits)) what storing keys and values in each of `bits` costs the rows read: the
+    attention mass rounded keys move (half the L1 distance) plus the share of the output rounded
+    values change, |A (V_b - V)| / |A V|: the paper's |A - softmax(Q K_C^T)| <= 1 - T when rounding.
 
-    q: (B, H, T', D) the queries of the last T' rows, k and v (B, K, T, D)."""
+    q : (B, H, T', D) the queries of the last T' rows
+    k, v : (B, K, T, D) the keys and values
+    lens : (B,) prompt lengths
+    bits : the precisions; 16 costs nothing
+    rows : the last prompt rows read; None: ERROR_ROWS
+    window : newest tokens a windowed precision keeps in 16 bits (quant.windowed); None: WINDOW"""
     B, K, T, D = k.shape
     rows = rows or ERROR_ROWS
     q = q[:, :, -min(q.shape[2], T - int((lens - lens.clamp(max=rows)).min())):]
@@ -313,7 +268,6 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
 
 
 def local_ratios(policies: list[Policy]) -> list[float]:
-    """Every window's share (`Policy.band`) in a list of policies."""
     return sorted({m.band for p in policies for m in p.members() if m.band is not None})
 
 
@@ -323,8 +277,7 @@ def recovery(policy: Policy, prompt: Slots, prof: Profile) -> torch.Tensor:
 
 
 def recoveries(policies: list[Policy], prompt: Slots, prof: Profile) -> torch.Tensor:
-    """(S, M): the share of the attention read that each policy recovers.
-    prompt: the segments' prompt tokens, one per column in position order."""
+    """(S, M) share of the attention read that each policy recovers; prompt: tokens by position."""
     ratios = list(prof.bands)
     fixed, band = [], []  # per policy: what it keeps whatever the row; its widest window's band
     nothing = torch.zeros_like(prompt.valid)
@@ -333,9 +286,7 @@ def recoveries(policies: list[Policy], prompt: Slots, prof: Profile) -> torch.Te
         fixed.append(prompt.keeps(Union(*others)) if others else nothing)
         local = [m.band for m in p.members() if m.band is not None]
         band.append(2 + ratios.index(max(local)) if local else 1)
-    # A kept token recovers all it received, another what its band received:
-    # sum_j F colsum + sum_j (1 - F) band, with F (M, S, T) the fixed masks,
-    # as one product of F with the column sums and every band, (S, M, 2 + R).
+    # sum_j F colsum + (1 - F) band, F the fixed masks, as one product with [colsum, 0, bands].
     sums = torch.stack([prof.colsum, torch.zeros_like(prof.colsum), *prof.bands.values()], 2)
     fixed = torch.stack(fixed, 1).float()  # (S, M, T)
     product = fixed @ sums  # (S, M, 2 + R)
@@ -345,9 +296,7 @@ def recoveries(policies: list[Policy], prompt: Slots, prof: Profile) -> torch.Te
 
 
 def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:
-    """(S,) index of the first policy of the shortlist whose recovery reaches
-    the threshold; the last (Full) when none does. `threshold >= 1` means
-    compress nothing, whatever rounding says."""
+    """(S,) the first policy reaching `threshold`, else the last (Full), always if it is >= 1."""
     n = recoveries.shape[1]
     if threshold >= 1:
         return torch.full(recoveries.shape[:1], n - 1, dtype=torch.long)
@@ -358,33 +307,25 @@ def choose(recoveries: torch.Tensor, threshold: float) -> torch.Tensor:
 
 def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
                resolution: int = 4096) -> torch.Tensor:
-    """(S,) one menu item per segment, maximizing the sum of `values` (S, M)
-    with the sum of integer `costs` (S, M) at most `budget`: a knapsack by
-    dynamic programming over the budget, exact while the budget is at most
-    `resolution` tokens; above, costs are counted in units of
-    ceil(budget / resolution) tokens, rounded up, so the choice stays within
-    the budget. When even the cheapest items do not fit, the cheapest (of
-    those worth more than -inf, which are never taken otherwise)."""
+    """(S,) the menu item per segment maximizing the sum of `values` (S, M) with integer `costs`
+    (S, M) summing to at most `budget`: a knapsack, exact up to `resolution` tokens; above, costs
+    count in units of ceil(budget / resolution), rounded up to stay within budget. If nothing fits:
+    the cheapest items worth more than -inf (items worth -inf are never taken)."""
     return fit_budgets(values[None], costs[None], [budget], resolution)[0]
 
 
 def squared_losses(recoveries: torch.Tensor) -> torch.Tensor:
-    """What the budget's knapsack maximizes per head: minus the square of the
-    share it loses, -(1 - r)^2. A model's output error grows with the square
-    of each head's (KL is quadratic in a small change of the logits), so ten
-    heads losing 1% cost less than one head losing 10% (studies/README.md)."""
+    """Knapsack value per head, -(1 - r)^2: output error grows with each head's loss squared (KL
+    is quadratic in small logit changes), so small losses spread cost less (studies/README.md)."""
     return -(1 - recoveries).clamp(min=0).square()
 
 
 def fit_budgets(values: torch.Tensor, costs: torch.Tensor, budgets: list[int],
                 resolution: int = 4096) -> torch.Tensor:
-    """`fit_budget` for L layers at once, each under its own budget: values
-    and costs (L, S, M); returns (L, S). The dynamic programs of the layers
-    run side by side, a segment at a time."""
+    """`fit_budget` for L layers under their own budgets, side by side: (L, S, M) -> (L, S)."""
     L, S, M = values.shape
     device = costs.device
     costs, values = costs.cpu(), values.cpu().double()
-    # Where even the cheapest items do not fit: the cheapest of those worth more than -inf.
     offered = costs.where(values > -math.inf, int(costs.max()) + 1)
     cheapest = offered.argmin(2)
     over = offered.min(2).values.sum(1) > torch.tensor(budgets)
@@ -397,9 +338,8 @@ def fit_budgets(values: torch.Tensor, costs: torch.Tensor, budgets: list[int],
     best = torch.cat([torch.full((L, pad), -math.inf, dtype=torch.float64),
                       torch.zeros(L, width, dtype=torch.float64)], 1)
     shifted = best.unfold(1, width, 1)  # (L, pad + 1, width), a view
-    # An item that another beats (no dearer, no worse, better in one) is never
-    # needed: each segment's program reads only the others, in menu order,
-    # padded to the most any segment keeps with items worth -inf.
+    # An item another beats (no dearer, no worse, better in one) is never needed: each segment's
+    # program reads only the others, in menu order, padded to the most any keeps with -inf items.
     c, v = costs[..., :, None], values[..., :, None]  # item m against item m' (last dim)
     ct, vt = costs[..., None, :], values[..., None, :]
     beaten = ((ct <= c) & (vt >= v) & ((ct < c) | (vt > v))).any(3)  # (L, S, M)
