@@ -1,17 +1,14 @@
 """KV cache policies: which tokens an attention head keeps.
 
-A policy is a pure function from the tokens a group of heads holds to a
-keep-mask. Policies combine with `|`; a union keeps a token when any member
-keeps it, so a token leaves a head's cache only when no member wants it.
+A policy is a pure function from the tokens a group of heads holds to a keep-mask. Policies
+combine with `|`; a union keeps a token when any member keeps it, so a token leaves a head's
+cache only when no member wants it:
 
     Special() | Punct() | Frequent(0.3) | Local(0.3)
 
-Each policy's `keep` states its rule plainly. A menu holds many policies of a
-few classes, so each class also has `keep_all`, which computes the same sets
-for several of its policies at once (one sort for every ratio); `Slots.keeps`
-is the fast path that hot code asks, remembered per policy. The same rule
-runs on the prompt at the end of prefill (to compress it) and on the cache
-after every decode step (to evict), so the two can never drift.
+Each class's `keep` states its rule plainly; hot code asks `Slots.keeps`, which runs `keep_all`
+(many at once: one sort, all ratios). One rule compresses the prompt at prefill and evicts while
+decoding, so the two cannot drift.
 """
 from __future__ import annotations
 
@@ -20,30 +17,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Bits of a token's flags, looked up from its id (see `token_flags`).
-SPECIAL = 1
+SPECIAL = 1  # bits of a token's flags, looked up from its id (see `token_flags`)
 PUNCT = 2
 
 
 @dataclass
 class Slots:
-    """The tokens held by N cache segments (one segment = one sequence x KV head),
-    padded to a common width C. Every tensor is (N, C) or (N, 1)."""
+    """The tokens held by N cache segments (one = a sequence x KV head), padded to width C."""
     pos: torch.Tensor         # (N, C) position of the token in its sequence; -1 = empty slot
     score: torch.Tensor       # (N, C) attention the token has received, summed over queries
     flags: torch.Tensor       # (N, C) SPECIAL / PUNCT bits
     seen: torch.Tensor        # (N, 1) tokens the sequence has seen so far, prompt included
     prompt_len: torch.Tensor  # (N, 1)
-    # (N, 1) the first query whose attention `score` counts: 0 when profiling read
-    # every prompt row, prompt_len - n when it read an observation window of n rows.
+    # (N, 1) first query `score` counts: 0, or prompt_len - n for a window of n prompt rows
     first_query: torch.Tensor | None = None
     last: torch.Tensor | None = None  # (N, C) attention from the latest query alone
-    # What policies computed on these slots, so that a menu of policies sharing
-    # members and rankings computes each once. The tensors must not change meanwhile.
+    # What policies computed here, so a menu computes each once; the tensors must not change.
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def once(self, key, compute):
-        """compute(), remembered under `key` for as long as these slots live."""
         if key not in self.memo:
             self.memo[key] = compute()
         return self.memo[key]
@@ -53,9 +45,7 @@ class Slots:
         return self.once("valid", lambda: self.pos >= 0)
 
     def keeps(self, policy: Policy) -> torch.Tensor:
-        """Bool (N, C): what `policy.keep(self)` keeps, by the fast path: a member
-        by its class's `keep_all`, a union as the union of its members'. Computed
-        once per policy; this, not `keep`, is what hot code asks."""
+        """Bool (N, C): `policy.keep(self)` by its members' `keep_all`, once. Hot code asks this."""
         kept = self.memo.get(policy)
         if kept is None:
             for m in policy.members():
@@ -66,9 +56,7 @@ class Slots:
         return kept
 
     def keeps_all(self, policies) -> None:
-        """Compute the keep of every member of `policies` for `keeps`: all their
-        rankings in one sort, then each class's members at once. For a menu at
-        prefill; a single policy is cheaper through `keeps`, which selects."""
+        """Fill `keeps` for a menu at prefill: all rankings in one sort, then each class at once."""
         members = [m for m in dict.fromkeys(m for p in policies for m in p.members())
                    if m not in self.memo]
         by_class = {}
@@ -82,8 +70,7 @@ class Slots:
             self.memo.update(zip(ms, cls.keep_all(ms, self)))
 
     def rank_all(self, wanted: dict) -> None:
-        """Rank several values at once, `wanted` = {key: (values, valid)} as `rank`
-        takes them: one sort for all (a sort of a few rows is mostly overhead)."""
+        """`rank` each {key: (values, valid)} in one sort: sorting a few rows is mostly overhead."""
         wanted = {key: w for key, w in wanted.items() if key not in self.memo}
         if wanted:
             values = torch.stack([values().float() for values, _ in wanted.values()])
@@ -91,17 +78,13 @@ class Slots:
             self.memo.update(zip(wanted, ranks(values, valid)))
 
     def rank(self, key, values, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, C) ranks of `values()` among the valid slots (or `valid`), as `ranks`;
-        computed once per `key`, which must name the values and the mask."""
+        """`ranks` of `values()` among valid slots (or `valid`), once per `key`, naming both."""
         valid = self.valid if valid is None else valid
         return self.once(key, lambda: ranks(values(), valid))
 
     def top(self, key, values, k: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Bool (N, C): the k (N, 1) slots with the largest `values()` among the valid
-        ones (or `valid`); among equal values the leftmost slot wins. k may also be
-        (R, N, 1), for R counts at once: then the slots are ranked, once per `key`
-        (see `rank`), as they are when that key is ranked already; one count is
-        `select`ed, which costs a third to a half of a sort."""
+        """Bool (N, C): the k (N, 1) valid slots with the largest `values()`, ties leftmost. R
+        counts, k (R, N, 1), or a ranked `key` use `rank`; one count `select`s (1/3-1/2 a sort)."""
         valid = self.valid if valid is None else valid
         if key in self.memo or (k.dim() > valid.dim() and len(k) > 1):
             return valid & (self.rank(key, values, valid) < k)
@@ -109,14 +92,11 @@ class Slots:
 
     @property
     def mean_score(self) -> torch.Tensor:
-        """Attention received per query that has seen the token (ScissorHands,
-        cold-compress): a token that arrived late is not outranked merely for
-        having been seen by fewer queries."""
+        """Attention per query that saw the token, so a token is not outranked for arriving late."""
         first = self.pos if self.first_query is None else torch.maximum(self.pos, self.first_query)
         return self.score / (self.seen - first).clamp(min=1)
 
     def __getitem__(self, rows) -> Slots:
-        """The same slots for a subset of segments."""
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return Slots(self.pos[rows], self.score[rows], self.flags[rows], self.seen[rows],
                      self.prompt_len[rows], pick(self.first_query), pick(self.last))
@@ -128,7 +108,6 @@ def share(r: float, n: torch.Tensor) -> torch.Tensor:
 
 
 def shares(rs, n: torch.Tensor) -> torch.Tensor:
-    """(R, *n.shape): `share` for each of the ratios rs."""
     if len(rs) == 1:  # one policy (a cache evicting): no tensor of ratios to build
         return share(rs[0], n)[None]
     r = torch.tensor(rs, dtype=torch.float64, device=n.device).view(-1, *[1] * n.dim())
@@ -136,19 +115,15 @@ def shares(rs, n: torch.Tensor) -> torch.Tensor:
 
 
 def ranks(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(N, C) each slot's rank by value, largest first, invalid slots last; among
-    equal values the leftmost slot ranks first."""
+    """(N, C) each slot's rank by value: largest first, invalid last, leftmost first if equal."""
     order = values.masked_fill(~valid, -float("inf")).argsort(dim=-1, descending=True, stable=True)
     return torch.empty_like(order).scatter_(
         -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
 
 
 def select(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Bool (N, C): the k (N, 1) valid slots with the largest values; among
-    equal values the leftmost slot wins: `ranks(values, valid) < k`, without a
-    sort. The k-th largest value (or, when fewer are dropped than kept, the
-    d-th smallest of the d dropped) is found by a top-k; the slots beyond it are
-    in, those tied with it taken from the left (dropped from the right)."""
+    """`ranks(values, valid) < k` without a sort: a top-k finds the k-th largest value (or the
+    d-th smallest of d dropped, if fewer); those beyond it are in, ties taken from the left."""
     held = valid.sum(-1, keepdim=True)
     k = torch.minimum(k, held)
     drop = held - k
@@ -172,8 +147,7 @@ def select(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.
 
 
 class Policy:
-    """Base class. Subclasses implement `keep`, the rule; those that rank tokens
-    also `keep_all` and `rankings`, the fast path for several at once."""
+    """Base class: `keep` is the rule; `keep_all` and `rankings` the fast path for several."""
 
     # What a cache asks of a policy, so that it never asks for its class:
     never_evicts = False  # keeps every new token: decoding never asks `keep`
@@ -183,27 +157,20 @@ class Policy:
     band = None           # a window of this share of the prompt: profiling sums its band
 
     def keep(self, s: Slots) -> torch.Tensor:
-        """Bool (N, C): which of the held tokens this policy keeps. Written for
-        reading; hot code asks `s.keeps(policy)`, which computes the same faster."""
         raise NotImplementedError
 
     @classmethod
     def rankings(cls, policies: list[Policy], s: Slots) -> dict:
-        """{key: (values, valid)}: what `keep_all` of these policies will rank
-        (`Slots.rank`), so that every class's rankings are sorted together."""
+        """{key: (values, valid)} that `keep_all` will rank, so all classes sort together."""
         return {}
 
     @classmethod
     def keep_all(cls, policies: list[Policy], s: Slots):
-        """The keep of several policies of this class, in order: bool (N, C)
-        each, stacked as (len(policies), N, C) or in a list. The classes with a
-        ratio do it in a few operations for every ratio (a menu holds many);
-        the result must equal each policy's `keep`."""
+        """Each policy's `keep`, in order, all at once: stacked (len(policies), N, C) or a list."""
         return [p.keep(s) for p in policies]
 
     def growth(self, prompt: Slots) -> torch.Tensor:
-        """(N,) the share of new tokens it will hold on to, as the budget mode
-        counts its cost; read off the prompt where it depends on the text."""
+        """(N,) share of new tokens it holds, its budget cost, from the prompt if text-dependent."""
         return prompt.pos.new_zeros(prompt.pos.shape[0], dtype=torch.float32)
 
     def members(self) -> tuple[Policy, ...]:
@@ -224,8 +191,7 @@ class Policy:
 
 
 class Special(Policy):
-    """Special tokens (BOS, `<|im_start|>`, ...) and the sequence's first token,
-    which serves as the attention sink in models that add no BOS."""
+    """Special tokens (BOS, `<|im_start|>`, ...) and the first token, the sink if there's no BOS."""
 
     def keep(self, s):
         return s.valid & (((s.flags & SPECIAL) != 0) | (s.pos == 0))
@@ -268,12 +234,9 @@ class Local(Policy):
 
 
 class Frequent(Policy):
-    """Heavy hitters: the ceil(r * seen) tokens that received the most attention.
-
-    `by="sum"` ranks by the attention summed over every query (the paper, H2O):
-    a new token starts at 0 against prompt tokens that hundreds of queries have
-    scored, so it rarely gets in. `by="mean"` ranks by the attention per query
-    that has seen the token, and the newest token always enters (ScissorHands,
+    """Heavy hitters: the ceil(r * seen) most attended tokens. `by="sum"` sums over queries (the
+    paper, H2O), so a new token, at 0 against prompt tokens hundreds of queries scored, rarely gets
+    in; `by="mean"` averages over the queries that saw it, and the newest enters (ScissorHands,
     cold-compress's FastGen)."""
 
     rows = None  # every prompt row's attention (the cache may read fewer: `Method.rows`)
@@ -284,15 +247,10 @@ class Frequent(Policy):
         self.r, self.by = r, by
 
     def keep(self, s):
-        """The ceil(r * seen) valid tokens with the highest score (by="sum") or
-        mean score (by="mean", the newest token always in); among equal values
-        the leftmost slot wins."""
         return s.valid & (ranks(self.values(self.by, s), s.valid) < share(self.r, s.seen))
 
     @staticmethod
     def values(by, s):
-        """What heavy hitters rank by: the summed score, or the mean score with
-        the newest token first, so that it always enters."""
         if by == "sum":
             return s.score
         return s.mean_score.masked_fill(s.pos == s.seen - 1, float("inf"))
@@ -314,7 +272,6 @@ class Frequent(Policy):
 
     @classmethod
     def ranking(cls, by, s):
-        """The memo key of heavy hitters' ranking, and its values."""
         return ("score" if by == "sum" else "mean score"), lambda: cls.values(by, s)
 
     def growth(self, prompt):
@@ -347,8 +304,8 @@ class Full(Policy):
 
 
 class TOVA(Policy):
-    """The ceil(r * prompt_len) tokens the latest query attends to most (Oren et
-    al., 2024): a fixed-size cache that evicts the least attended token each step."""
+    """The ceil(r * prompt_len) tokens the latest query attends to most (Oren et al., 2024): a
+    fixed-size cache that evicts the least attended token each step."""
 
     reads_last = True
 
@@ -356,8 +313,6 @@ class TOVA(Policy):
         self.r = r
 
     def keep(self, s):
-        """The ceil(r * prompt_len) valid tokens with the highest `last`; among
-        equal values the leftmost slot wins."""
         return s.valid & (ranks(s.last, s.valid) < share(self.r, s.prompt_len))
 
     @classmethod
@@ -370,11 +325,10 @@ class TOVA(Policy):
 
 
 class SnapKV(Policy):
-    """SnapKV (Li et al., 2024): at the end of the prompt, the last `window` prompt
-    tokens plus the tokens that this observation window attended to most, the
-    scores max-pooled over `kernel` neighbours so that a kept token brings its
-    context; ceil(r * prompt_len) prompt tokens in all. New tokens are all kept.
-    The cache must score the prompt with the same observation window."""
+    """SnapKV (Li et al., 2024): the last `window` prompt tokens, the ceil(r * prompt_len) -
+    window older ones that window attends to most (scores max-pooled over `kernel` so that a kept
+    token brings its context) and every new token. The cache must score the prompt with the same
+    observation window."""
 
     never_evicts = True  # the prompt is compressed once (see `keep`); new tokens stay
 
@@ -386,18 +340,13 @@ class SnapKV(Policy):
         return self.window
 
     def keep(self, s):
-        """Every valid token from the window on (the window and every new token),
-        and of the older prompt tokens the ceil(r * prompt_len) - window with the
-        highest pooled score; among equal values the leftmost slot wins."""
         older = s.valid & (s.pos < s.prompt_len - self.window)
         budget = (share(self.r, s.prompt_len) - self.window).clamp(min=0)
         return (s.valid & ~older) | (older & (ranks(self.pooled(self.kernel, s), older) < budget))
 
     @staticmethod
     def pooled(kernel, s):
-        """(N, C) the scores max-pooled over the held tokens within kernel // 2
-        positions (a token not held counts 0): laid out by position, pooled,
-        read back, as slots are in position order only at prefill."""
+        """(N, C) scores max-pooled by position (slots are in order only at prefill), 0 if empty."""
         width = int(s.pos.max()) + 2  # every position, and one column for empty slots
         at = s.pos.masked_fill(~s.valid, width - 1).long()
         by_pos = s.score.new_zeros(len(at), width).scatter_(1, at, s.score.masked_fill(~s.valid, 0))
@@ -411,7 +360,6 @@ class SnapKV(Policy):
 
     @classmethod
     def ranking(cls, window, kernel, s):
-        """The pooled scores of the prompt tokens before the window, and those tokens."""
         return lambda: cls.pooled(kernel, s), s.valid & (s.pos < s.prompt_len - window)
 
     @classmethod
@@ -421,8 +369,7 @@ class SnapKV(Policy):
             which = [i for i, p in enumerate(policies) if (p.window, p.kernel) == (window, kernel)]
             pooled, older = cls.ranking(window, kernel, s)
             budget = (shares([policies[i].r for i in which], s.prompt_len) - window).clamp(min=0)
-            # While decoding the older prompt tokens held number exactly `budget`,
-            # so this keeps them all: the prompt is compressed once.
+            # Decoding holds exactly `budget` older tokens, so all stay: compressed once.
             kept[which] = (s.valid & ~older) | s.top(("snapkv", window, kernel), pooled, budget,
                                                      older)
         return kept
@@ -479,8 +426,7 @@ class Union(Policy):
 
 
 def shortlist(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "sum") -> list[Policy]:
-    """The paper's greedy shortlist, cheapest first; profiling picks the first
-    one whose attention recovery reaches the threshold."""
+    """The paper's greedy shortlist, cheapest first; profiling picks the first past threshold."""
     s, p, f, l = Special(), Punct(), Frequent(r_frequent, by), Local(r_local)
     return [s, s | p, s | p | f, s | p | f | l, Full()]
 
@@ -490,10 +436,8 @@ RATIOS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)
 
 def menu(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "mean",
          ratios=RATIOS) -> list[Policy]:
-    """What a head may take under a byte budget: the paper's shortlist and the
-    fixed policies' shapes at several sizes, so that every fixed baseline is
-    one point of it. Not Full, which buys a head's last percent of recovery
-    with all of its tokens (studies/README.md)."""
+    """What a head may take under a byte budget: the shortlist and every fixed baseline at several
+    sizes. Not Full, which buys a head's last bit of recovery with all of it (studies/README.md)."""
     kinds = ("local", "sink", "h2o", "tova", "snapkv")
     shapes = [[baseline(kind, r, by) for r in ratios] for kind in kinds]
     return list(dict.fromkeys(shortlist(r_local, r_frequent, by)[:-1] + sum(shapes, [])))
