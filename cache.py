@@ -76,7 +76,8 @@ class Method:
     evict_every : int, optional
         tokens between evictions; None: half a page, at least EVICT_EVERY
     reread : bool, default False
-        profile by the context read again (generation.read_again), for questions asked after it
+        profile by the context read again (generation.read_again), for questions asked after
+        it; decoding then evicts nothing
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
@@ -302,7 +303,10 @@ class FastGenCache(Cache):
         """Each segment's policy as eviction asks it, -1 none: after a chunk, all but those that
         keep all (`drops_by`); while decoding, not those that never evict either (`evicts_by`)."""
         drops = [-1 if self.policies[i].keeps_all else i for i in choice]
-        evicts = [-1 if i < 0 or self.policies[i].never_evicts else i for i in drops]
+        # Read again, the prompt is compressed for questions not asked yet: decoding (the
+        # question's tokens) evicts nothing, as a query would rank the held tokens by itself.
+        evicts = [-1 if i < 0 or self.policies[i].never_evicts or self.method.reread else i
+                  for i in drops]
         self.drops_by.copy_(torch.tensor(drops))
         self.evicts_by.copy_(torch.tensor(evicts))
         self.drops, self.evicting = max(drops) >= 0, max(evicts) >= 0  # on the host
@@ -371,7 +375,7 @@ class FastGenCache(Cache):
             s.last = prof.last
             s.keeps_all(P)
             values[seg] = recoveries(P, s, prof)
-            growth = torch.stack([p.growth(s) for p in P], 1)
+            growth = growths(P, s, self.method)
             costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
                 growth * new).long()
             if self.bits is not None:
@@ -514,7 +518,7 @@ def decide(caches: list[FastGenCache]):
             c.errors = e
     # The prompt's (L * S, T) slots and recoveries (L * S, M); keeps (M, L * S, T).
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])
-    growth = torch.stack([p.growth(prompt) for p in first.policies], dim=1)  # (L * S, M)
+    growth = growths(first.policies, prompt, first.method)  # (L * S, M)
     choose_policies(caches, prompt, recovery, keeps, growth)
     compress(caches, prompt, keeps, growth)
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
@@ -543,6 +547,14 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
             sums = attention_sums(q, k, lens, banded(first.policies), method.rows)
         parts.append(weigh(sums, v) if method.weigh_values else sums)
     return Profile.cat(parts)
+
+
+def growths(policies: list[Policy], prompt: Slots, method: Method) -> torch.Tensor:
+    """(S, M) the share of new tokens each policy holds on to (Policy.growth): all of them
+    where decoding never evicts (`follow`, a method that reads again)."""
+    if method.reread:
+        return prompt.pos.new_ones(len(prompt.pos), len(policies), dtype=torch.float32)
+    return torch.stack([p.growth(prompt) for p in policies], 1)
 
 
 def banded(policies: list[Policy]) -> list[float]:

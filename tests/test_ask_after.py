@@ -7,7 +7,7 @@ import torch
 
 import cache
 from generation import CacheOptions, generate, read_again
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, reserve
 from kernels import flash_reread_sums
 from profiling import reread_profile, reread_sums
 from reference import one_thread  # noqa: F401  (autouse fixture)
@@ -157,3 +157,32 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool():
         p = scores.masked_fill(~torch.ones(8, 28).tril(20).bool(), -math.inf).softmax(-1)
         want = p[..., :20].sum(1).view(-1, G, 20).mean(1)  # (K, 20)
         torch.testing.assert_close(got[layer], want, atol=1e-5, rtol=1e-4)
+
+
+def test_after_reading_again_decoding_evicts_nothing_and_is_priced_so():
+    """The question comes after compression: its tokens must not rank the held
+    ones by themselves, so a cache that read the prompt again keeps every new
+    token (each step adds one per segment) and its budget prices them all; the
+    default evicts while decoding."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
+    prompt = torch.randint(1, 200, (1, 64))
+    kept = {}
+    for reread in (False, True):
+        caches = cache.fastgen_caches(model, cache.default_method(0.25, reread=reread), [64], 40)
+        model.setup_caches(caches)
+        model(prompt, torch.arange(64)[None])
+        if reread:
+            read_again(model, prompt, torch.tensor([64]))
+        growth = cache.growths(caches[0].policies, caches[0].slots(caches[0].pool.groups[0]),
+                               caches[0].method)
+        assert bool((growth == 1).all()) == reread
+        before = [c.kept() for c in caches]
+        for i in range(32):
+            reserve(model.caches())
+            model(torch.randint(1, 200, (1, 1)), torch.tensor([[64 + i]]))
+        kept[reread] = [c.kept() - b for c, b in zip(caches, before)]
+        model.setup_caches(None)
+    S = model.args.n_kv_heads
+    assert kept[True] == [32 * S] * 2
+    assert any(k < 32 * S for k in kept[False])
