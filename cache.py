@@ -18,9 +18,9 @@ policy for every head (`fixed_method`). In the order it runs:
    T decode steps; its last rows choose the policies again (`choose_again`).
 
 With `Method.reread` (`--ask-after`), deciding waits until the prompt is read again
-(generation.read_again, `FastGenCache.read_again`): the attention that reading gives each
-prompt token is the profile, for questions asked after the prompt; a chunk read again chooses
-again (`choose_from_reading`). `decide` stacks several layers as one batch (`Pending`): one at a
+(generation.read_again, `FastGenCache.read_again`): the most attention that reading gives each
+prompt token is its score, for questions asked after the prompt, and the knapsack keeps the most
+score over the heads, as KVzip does; a chunk read again chooses again (`choose_from_reading`). `decide` stacks several layers as one batch (`Pending`): one at a
 time, their many small operations would cost as much as the arithmetic.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Method:
         tokens between evictions; None: half a page, at least EVICT_EVERY
     reread : bool, default False
         profile by the context read again (generation.read_again), for questions asked after
-        it; decoding then evicts nothing
+        it: each head is worth the score it keeps, not its squared loss; decoding evicts nothing
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
@@ -113,8 +113,9 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
 def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
     """FastGen's default: the menu under a byte budget, heavy hitters by mean attention."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
-    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=SPAN, weigh_values=True,
-                  reread=reread)
+    # Read again, neither carries: each token is scored by what copying it took (studies/README.md).
+    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
+                  weigh_values=not reread, reread=reread)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
@@ -255,18 +256,20 @@ class FastGenCache(Cache):
                                    counts[seg])
                 got.append(col)
             y = y.view(B, H, R, D)
-        self.reread = got if self.reread is None else [a + b for a, b in zip(self.reread, got)]
+        self.reread = got if self.reread is None else list(map(torch.maximum, self.reread, got))
         self.profile_s += _clock(q.device) - t0
         return y
 
     def choose_from_reading(self):
-        """After a reading again: add what each held token got to its score; choose again."""
+        """After a reading again: each held token's score is the most any reading gave it;
+        choose again."""
         groups, ratios = self.pool.groups, local_ratios(self.policies)
         profiles = []
         for g, got in zip(groups, self.reread):
-            score = g.block(self.pool.score).add_(got)
+            score = g.block(self.pool.score)
+            score.copy_(torch.maximum(score, got))
             if "last" in self.pool.fields:  # what TOVA ranks by when it next evicts
-                g.block(self.pool.last).copy_(score / score.sum(1, keepdim=True).clamp(min=1e-12))
+                g.block(self.pool.last).copy_(score)
             s = self.slots(g)
             profiles.append(reread_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len, ratios))
         self.reread = None
@@ -392,7 +395,8 @@ class FastGenCache(Cache):
         if self.method.kv_budget is None:
             choice = choose(values, self.method.recovery)
         else:
-            values, costs = squared_losses(values)[None], costs[None]
+            values = values if self.method.reread else squared_losses(values)
+            values, costs = values[None], costs[None]
             if heads is not None:  # tensor parallel: every rank solves for every head
                 values, costs = heads.gather(values), heads.gather(costs)
             B = len(self.prompt_lens)  # each sequence's share of what its full cache would hold
@@ -513,6 +517,8 @@ def decide(caches: list[FastGenCache]):
         errors = precision_errors(q, k, v, first.prompt_lens.repeat(len(caches)), kinds,
                                   first.method.rows)
         errors = errors[:, [kinds.index(b) for b in first.bits]]  # (L * S, M)
+        if first.method.reread:  # shares of the attention, as score: of all the head's
+            errors = errors * sums.colsum.sum(1, keepdim=True)
         recovery = recovery - errors
         for c, e in zip(caches, errors.view(len(caches), -1, errors.shape[1])):
             c.errors = e
@@ -581,7 +587,7 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         new = first.max_new_tokens - 1
         unit, window, full_unit = first.token_bytes()  # in tokens, or in bytes with `bits`
         costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
-        values = squared_losses(recovery)
+        values = recovery if first.method.reread else squared_losses(recovery)
         if heads is not None:  # tensor parallel: every rank solves for every head
             values, costs = heads.gather(values), heads.gather(costs)
         # Each sequence's budget: a share of what its full cache would hold in these layers.

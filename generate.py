@@ -297,8 +297,9 @@ def parse_args(argv=None):
                    help="with --paper: the threshold T of attention recovered (default 0.95)")
     p.add_argument("--ask-after", action="store_true",
                    help="compressed caches: keep what questions asked after the prompt need "
-                        "(a chat's next turn), found by reading the prompt again: about 3x "
-                        "the prefill (default: what the prompt's end asks)")
+                        "(a chat's next turn, one cache for many questions), found by reading "
+                        "the prompt again: about 3x the prefill (default: what the prompt's end "
+                        "asks)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="read each prompt in pieces of N tokens (peak memory follows the cache)")
     p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]",

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from profiling import Profile
+from profiling import READ_NORM, Profile, read_score
 
 # Letters in shape comments: S segments, G query heads per KV head, N pages,
 # P slots per page, M = N * P slots, B batch, H query heads, K KV heads,
@@ -131,9 +131,9 @@ def flash_reread_sums(q, k, v, held_k, held_v, held, counts):
     """`reread_sums` from torch's CPU flash attention, as `flash_sums` reads a
     prompt: the rows attend to the context and to themselves in two passes,
     joined by their log-sum-exps into each row's L_i; then the context's keys
-    attend over the rows, L_i folded into an extra coordinate, so that a key's
-    log-sum-exp is the log of the attention it received. None where that
-    kernel is missing."""
+    attend over the rows scaled by p = READ_NORM, p L_i folded into an extra
+    coordinate, so that a key's log-sum-exp is p times the log of the p-norm of
+    the attention it received. None where that kernel is missing."""
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if flash is None or q.device.type != "cpu":
         return None
@@ -149,7 +149,8 @@ def flash_reread_sums(q, k, v, held_k, held_v, held, counts):
     y = (on_context * (lse_c - lse).exp()[..., None].to(q.dtype)
          + on_rows * (lse_r - lse).exp()[..., None].to(q.dtype))
     read = torch.arange(R, device=q.device) < counts[:, None, None]  # (B, 1, R)
-    rows = with_coordinate(q / math.sqrt(D), torch.where(read, -lse, -1e9))
+    p = READ_NORM
+    rows = with_coordinate(p * q / math.sqrt(D), torch.where(read, -p * lse, -1e9))
     _, col = flash(with_coordinate(ck, torch.ones(B, H, T)), rows, rows, 0.0, False, scale=1.0)
-    col = col.exp().masked_fill(padding[:, None], 0)  # (B, H, T)
-    return y, col.view(B, K, G, T).mean(2).flatten(0, 1)
+    col = (col / p).masked_fill(padding[:, None], -math.inf)  # (B, H, T)
+    return y, read_score(col.view(B, K, G, T))

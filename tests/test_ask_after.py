@@ -9,21 +9,30 @@ import cache
 from generation import CacheOptions, generate, read_again
 from model import ModelArgs, Transformer, reserve
 from kernels import flash_reread_sums
-from profiling import reread_profile, reread_sums
+from profiling import READ_NORM, reread_profile, reread_sums
 from reference import one_thread  # noqa: F401  (autouse fixture)
 from studies.evaluate import Recorder
 
 
+def norm_of_rows(p, G):
+    """(K, T) from the attention (H, R, T) that R rows gave T tokens: the
+    READ_NORM-norm over the rows, the most of the G query heads of a KV head."""
+    norms = p.pow(READ_NORM).sum(1).pow(1 / READ_NORM)
+    return norms.view(-1, G, p.shape[-1]).amax(1)
+
+
 def brute_reread(q, k, v, held_k, held_v, lens, counts):
     """Each row read again, one at a time: softmax over the context's keys and
-    the rows up to its own; the output and each context token's attention
-    summed over the rows and averaged over the G query heads of its KV head."""
+    the rows up to its own; the output and each context token's score, the
+    READ_NORM-norm over the rows of its attention, the most of the G query
+    heads of its KV head."""
     B, H, R, D = q.shape
     K, T = held_k.shape[1:3]
     G = H // K
     y = torch.zeros_like(q)
-    colsum = torch.zeros(B, K, T)
+    score = torch.zeros(B, K, T)
     for b in range(B):
+        probs = torch.zeros(H, R, T)
         for h in range(H):
             keys = torch.cat([held_k[b, h // G, :lens[b]], k[b, h // G]])
             values = torch.cat([held_v[b, h // G, :lens[b]], v[b, h // G]])
@@ -31,8 +40,9 @@ def brute_reread(q, k, v, held_k, held_v, lens, counts):
                 n = int(lens[b]) + i + 1
                 p = (keys[:n] @ q[b, h, i] / math.sqrt(D)).softmax(0)
                 y[b, h, i] = p @ values[:n]
-                colsum[b, h // G, :lens[b]] += p[:lens[b]] / G
-    return y, colsum.flatten(0, 1)
+                probs[h, i, :lens[b]] = p[:lens[b]]
+        score[b] = norm_of_rows(probs, G)
+    return y, score.flatten(0, 1)
 
 
 @pytest.mark.parametrize("chunk_bytes", [4000, 1 << 20])
@@ -55,22 +65,23 @@ def test_reread_sums_are_the_attention_of_the_context_read_again(chunk_bytes):
         torch.testing.assert_close(y[1, :, :4], want_y[1, :, :4], atol=1e-5, rtol=1e-5)
 
 
-def test_reread_profile_is_a_share_of_the_context_and_local_its_end():
-    colsum = torch.tensor([[4.0, 1, 1, 2, 2, 0], [1, 1, 2, 0, 0, 0]])
+def test_reread_profile_is_the_scores_and_local_their_end():
+    score = torch.tensor([[4.0, 1, 1, 2, 2, 0], [1, 1, 2, 0, 0, 0]])
     lens = torch.tensor([[6], [3]])
-    prof = reread_profile(colsum, torch.arange(6).expand(2, 6), lens, lens, [0.5])
-    torch.testing.assert_close(prof.colsum.sum(1), torch.ones(2))
+    prof = reread_profile(score, torch.arange(6).expand(2, 6), lens, lens, [0.5])
+    torch.testing.assert_close(prof.colsum, score)  # not shares: heads compare by score
     # Local(0.5) keeps the last ceil(0.5 * len) tokens: 3 of 6, 2 of 3.
     torch.testing.assert_close(prof.bands[0.5], torch.tensor(
-        [[0, 0, 0, 0.2, 0.2, 0], [0, 0.25, 0.5, 0, 0, 0]]))
+        [[0, 0, 0, 2.0, 2, 0], [0, 1, 2, 0, 0, 0]]))
     assert prof.rows.tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("piece", [5, 16])
 def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
-    """What each layer profiles is the attention that the prompt's pieces, each
-    fed right after the whole prompt, give it: recorded from a plain forward of
-    the prompt then the piece, as causal attention computes it."""
+    """What each layer profiles is the score that the prompt's pieces, each fed
+    right after the whole prompt, give it (the most over the pieces): recorded
+    from a plain forward of the prompt then the piece, as causal attention
+    computes it."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 12))
@@ -97,8 +108,9 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
             scores = q[0, :, T:] @ k[0].repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(
                 q.shape[-1])
             mask = torch.ones(part.shape[1], T + part.shape[1]).tril(T).bool()
-            p = scores.masked_fill(~mask, -math.inf).softmax(-1)[..., :T].sum(1)  # (H, T)
-            want[layer * k.shape[1]:(layer + 1) * k.shape[1]] += p.view(-1, G, T).mean(1)
+            p = scores.masked_fill(~mask, -math.inf).softmax(-1)[..., :T]  # (H, R, T)
+            rows = slice(layer * k.shape[1], (layer + 1) * k.shape[1])
+            want[rows] = torch.maximum(want[rows], norm_of_rows(p, G))
     model.setup_caches(None)
     torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-4)
 
@@ -155,7 +167,7 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool():
         scores = q[0, :, 20:] @ k[0].repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(
             q.shape[-1])
         p = scores.masked_fill(~torch.ones(8, 28).tril(20).bool(), -math.inf).softmax(-1)
-        want = p[..., :20].sum(1).view(-1, G, 20).mean(1)  # (K, 20)
+        want = norm_of_rows(p[..., :20], G)  # (K, 20)
         torch.testing.assert_close(got[layer], want, atol=1e-5, rtol=1e-4)
 
 
