@@ -20,8 +20,9 @@ policy for every head (`fixed_method`). In the order it runs:
 With `Method.reread` (`--ask-after`), deciding waits until the prompt is read again
 (generation.read_again, `FastGenCache.read_again`): the most attention that reading gives each
 prompt token is its score, for questions asked after the prompt, and the knapsack keeps the most
-score over the heads, as KVzip does; a chunk read again chooses again (`choose_from_reading`). `decide` stacks several layers as one batch (`Pending`): one at a
-time, their many small operations would cost as much as the arithmetic.
+score over the heads, as KVzip does; a chunk read again chooses again (`choose_from_reading`).
+`decide` stacks several layers as one batch (`Pending`): one at a time, their many small
+operations would cost as much as the arithmetic.
 """
 from __future__ import annotations
 
@@ -395,8 +396,7 @@ class FastGenCache(Cache):
         if self.method.kv_budget is None:
             choice = choose(values, self.method.recovery)
         else:
-            values = values if self.method.reread else squared_losses(values)
-            values, costs = values[None], costs[None]
+            values, costs = worth(self.method, values)[None], costs[None]
             if heads is not None:  # tensor parallel: every rank solves for every head
                 values, costs = heads.gather(values), heads.gather(costs)
             B = len(self.prompt_lens)  # each sequence's share of what its full cache would hold
@@ -587,7 +587,7 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         new = first.max_new_tokens - 1
         unit, window, full_unit = first.token_bytes()  # in tokens, or in bytes with `bits`
         costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
-        values = recovery if first.method.reread else squared_losses(recovery)
+        values = worth(first.method, recovery)
         if heads is not None:  # tensor parallel: every rank solves for every head
             values, costs = heads.gather(values), heads.gather(costs)
         # Each sequence's budget: a share of what its full cache would hold in these layers.
@@ -601,6 +601,12 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
                                        spent, budgets, reads):
             c.choice, c.reads_last = pick, r
             c.share = first.method.kv_budget * cost / b.clamp(min=1)  # (B,) what it took
+
+
+def worth(method: Method, recovery) -> torch.Tensor:
+    """Each head's knapsack value: after reading again, the score it keeps (heads compared, as
+    KVzip ranks them); else -(1 - r)^2 of its share r recovered (`squared_losses`)."""
+    return recovery if method.reread else squared_losses(recovery)
 
 
 def knapsacks(values, costs, budgets):
