@@ -207,6 +207,11 @@ class FastGenCache(Cache):
     def rereads(self) -> bool:
         return self.method.reread
 
+    @property
+    def ranks(self) -> bool:
+        """Whether a policy may rank the held tokens (by score or flags): not where all keep all."""
+        return self.method.reread or not all(p.keeps_all for p in self.policies)
+
     def forward(self, q, k, v, input_pos, tokens):
         if self.rereading:
             return self.read_again(q, k, v)
@@ -296,7 +301,8 @@ class FastGenCache(Cache):
         self.pool = pool.build(choice, kept, growth,
                                self.reads_last or any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
-                               heads_per_kv=G, eager=self.eager, device=device, bits=self.bits)
+                               heads_per_kv=G, eager=self.eager, device=device, bits=self.bits,
+                               ranks=self.ranks)
         by = torch.tensor(choice, device=device)
         for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
                             seg_first_query=prompt.first_query[:, 0]).items():
@@ -418,9 +424,13 @@ class FastGenCache(Cache):
         return self.clock.steps
 
     def slots(self, g: pool.Group) -> Slots:
-        """A group's slots as (n, C) views of the pool: writing to `pos` frees slots."""
+        """A group's slots as (n, C) views of the pool: writing to `pos` frees slots. A pool that
+        ranks nothing (`ranks`) keeps no score or flags: zeros."""
         seg, p = g.seg, self.pool
-        return Slots(g.block(p.pos), g.block(p.score), g.block(p.flags), self.seen()[seg, None],
+        pos = g.block(p.pos)
+        score, flags = ((g.block(p.score), g.block(p.flags)) if "score" in p.fields else
+                        (pos.new_zeros(pos.shape, dtype=torch.float), torch.zeros_like(pos)))
+        return Slots(pos, score, flags, self.seen()[seg, None],
                      self.seg_prompt_len[seg, None], self.seg_first_query[seg, None],
                      g.block(p.last) if "last" in p.fields else None)
 
@@ -439,7 +449,8 @@ class FastGenCache(Cache):
         if self.bits is None:
             return torch.ones(M, dtype=torch.long, device=device), torch.zeros(
                 M, dtype=torch.long, device=device), 1
-        D, slot = self.head_dim, pool.slot_bytes(any(p.reads_last for p in self.policies))
+        D = self.head_dim
+        slot = pool.slot_bytes(any(p.reads_last for p in self.policies), self.ranks)
         unit = torch.tensor([token_bytes(b, D) + slot for b in self.bits], device=device)
         return unit, torch.tensor([window_bytes(b, D) for b in self.bits],
                                   device=device), token_bytes(16, D)
@@ -605,7 +616,10 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
 
 def worth(method: Method, recovery) -> torch.Tensor:
     """Each head's knapsack value: after reading again, the score it keeps (heads compared, as
-    KVzip ranks them); else -(1 - r)^2 of its share r recovered (`squared_losses`)."""
+    KVzip ranks them); else -(1 - r)^2 of its share r recovered (`squared_losses`). Equal to six
+    decimals is equal: sums taken in another order (tensor parallel's ranks, another CPU) differ
+    in their last bits, and would otherwise break a tie (two policies keeping all) either way."""
+    recovery = recovery.round(decimals=6)
     return recovery if method.reread else squared_losses(recovery)
 
 

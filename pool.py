@@ -56,9 +56,10 @@ CHUNK_ROWS = 128
 SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
 
 
-def slot_bytes(reads_last: bool) -> int:
-    """Bytes a slot holds besides K and V: position, score, flags and, if read, `last`."""
-    return 4 + 4 + 1 + 4 * reads_last
+def slot_bytes(reads_last: bool, ranks: bool = True) -> int:
+    """Bytes a slot holds besides K and V: position and, where a policy ranks by them, score and
+    flags, and `last` if read."""
+    return 4 + (4 + 1) * ranks + 4 * reads_last
 
 
 def window(bits: int) -> list[str]:
@@ -123,9 +124,11 @@ def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
 
 def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
           page: int, every: int, new: int, heads_per_kv: int, eager: bool, device,
-          bits: list | None = None) -> Pool:
+          bits: list | None = None, ranks: bool = True) -> Pool:
     """A pool laid out on the host from each segment's policy index, kept tokens and `growth`;
-    `bits`: each policy's precision (None: the model's dtype). A group gets room for the tokens
+    `bits`: each policy's precision (None: the model's dtype); `ranks`: whether any policy may
+    rank its slots (else no score and no flags are kept: a cache that keeps all, in fewer bits).
+    A group gets room for the tokens
     until the first eviction, plus what the budget charged its policy for the `new` tokens (a
     quarter of its width at most, as in `grow`): a group of heads that keep all never grows."""
     room = min(every, new)
@@ -142,9 +145,10 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     # The parts, most bits first: each part's pages follow the one before.
     precisions = sorted({g.bits for g in groups}, key=lambda b: -(b or 99))
     groups.sort(key=lambda g: precisions.index(g.bits))  # stable: policy order within a part
-    # The latest query's attention costs 4 bytes a slot: kept only for a policy that reads it.
-    fields = {n: e for n, e in SLOT_FIELDS.items() if n not in ("k", "v", "last") or
-              n == "last" and reads_last}
+    # Per slot its position; its score and flags where a policy ranks by them; the latest
+    # query's attention (4 bytes a slot) only for a policy that reads it.
+    wanted = {"pos"} | ({"score", "flags"} if ranks else set()) | ({"last"} if reads_last else set())
+    fields = {n: e for n, e in SLOT_FIELDS.items() if n in wanted}
     fields.update({n: 0 for b in precisions for n in stored(b)})
     slots = sum(len(g.rows) * g.pages for g in groups) * page
     masked = eager and len(precisions) == 1 and not rounds(precisions[0]) and attends_masked(
@@ -279,7 +283,8 @@ class Pool(nn.Module, abc.ABC):
         """Each segment's new token, k, v (S, D), pos, flags (S,), to `dest`, or `per` to `slot`."""
         slot = self.dest if slot is None else slot
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
-        self.flags.view(-1).index_copy_(0, slot, flags)
+        if "flags" in self.fields:
+            self.flags.view(-1).index_copy_(0, slot, flags)
         for i, bits in enumerate(self.precisions):
             if not self.part_rows:  # one part: every segment's rows, in order
                 segs, rows, at = None, None, slot
@@ -307,7 +312,8 @@ class Pool(nn.Module, abc.ABC):
         """The attention each slot got from the latest query, (N, P)."""
         if "last" in self.fields:
             self.last.copy_(last)
-        self.score += last
+        if "score" in self.fields:
+            self.score += last
 
     def attend_chunk(self, q, at, valid, observe: int = 0):
         """T queries a segment, q (S, G, T, D) at positions at (S, T), each over its segment's
@@ -341,7 +347,8 @@ class Pool(nn.Module, abc.ABC):
                     seen.append(probs[:, (rows >= T - observe).nonzero()[:, 0]])
             if observe:
                 self.observed.append(torch.cat(seen, 1))
-            g.block(self.score).add_(got)
+            if "score" in self.fields:
+                g.block(self.score).add_(got)
             if "last" in self.fields:
                 block = g.block(self.last)
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
@@ -552,7 +559,7 @@ class MaskedPool(Pool):
     def attend(self, q):
         k, v = self.k.to(q.dtype), self.v.to(q.dtype)  # 16-bit storage read back
         y, last = masked_attention(q, k, v.view(-1, v.shape[-1]), self.bias)
-        return y, last.view_as(self.score)
+        return y, last.view_as(self.pos)
 
     def pages(self, name):
         if name == "k":

@@ -76,7 +76,7 @@ from studies.textdata import SOURCES, documents, prompts
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 READINGS = ("question_last", "agnostic")
 METHODS = ("full", "fastgen", "fastgen-ask", "fastgen-paper", "local", "sink", "h2o", "tova", "snapkv",
-           "full@4", "fastgen@16/8/4")
+           "full@4", "fastgen@16/8/4", "fastgen-ask@16/8/4")
 FIXED = ("local", "sink", "h2o", "tova", "snapkv")
 FLOOR = 0.3  # a task the full cache scores below this is left out of the averages
 
@@ -288,6 +288,10 @@ def method_configs(methods, budgets, thresholds) -> list[Config]:
         elif m == "fastgen@16/8/4":  # a budget of a 16-bit cache's bytes, not tokens
             out += [Config(f"fastgen@16/8/4 b={b:g}", "fastgen",
                            {"kv_budget": b, "kv_bits": (16, 8, 4)}) for b in budgets]
+        elif m == "fastgen-ask@16/8/4":
+            out += [Config(f"fastgen-ask@16/8/4 b={b:g}", "fastgen",
+                           {"kv_budget": b, "kv_bits": (16, 8, 4), "ask_after": True})
+                    for b in budgets]
         elif m == "full@4":
             out += [Config("full@4", "full", {"kv_bits": (4,)})]
         elif m == "fastgen-paper":
@@ -738,9 +742,10 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", metavar="METHOD",
                    help=f"methods, of {' '.join(METHODS)} (default full fastgen snapkv; "
                         "fastgen-paper and h2o read every prompt row, which costs 4x per "
-                        "doubling of the length); fastgen-paper runs at --thresholds; full@4 "
-                        "and fastgen@16/8/4 store keys and values in fewer bits, the latter's "
-                        "budget a share of a 16-bit cache's bytes; the full cache always runs "
+                        "doubling of the length); fastgen-paper runs at --thresholds; full@4, "
+                        "fastgen@16/8/4 and fastgen-ask@16/8/4 store keys and values in fewer "
+                        "bits, the latter two's budget a share of a 16-bit cache's bytes; the "
+                        "full cache always runs "
                         "(the reference)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9],
                    help="recovery thresholds T of fastgen-paper (default 0.9)")

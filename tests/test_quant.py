@@ -205,6 +205,22 @@ def test_bytes_held_are_those_reported_and_priced(window):
     assert len(seen) > 1
 
 
+@torch.no_grad()
+def test_a_cache_that_keeps_all_keeps_no_score_or_flags():
+    """The full cache in 4 bits ranks nothing: a slot holds its K, V codes and
+    position only, besides each head's window, and the budget prices that."""
+    model = tiny_model(head_dim=64, dim=128, n_heads=2, n_kv_heads=2)
+    lens = [60, 45]
+    caches = make_caches(model, CacheOptions("full", kv_bits=(4,)), lens, 8)
+    greedy(model, prompts_of(lens, seed=2), caches, 8)
+    for c in caches:
+        p = c.pool
+        assert set(p.fields) == {"pos", *pool.stored(4)}
+        assert sum(getattr(p, n).nbytes for n in p.fields) == p.size * (
+            token_bytes(4, 64) + pool.slot_bytes(False, ranks=False))
+        assert c.token_bytes()[0].tolist() == [token_bytes(4, 64) + 4]  # what the budget pays
+
+
 def test_full_share_is_counted_against_16_bits():
     model = tiny_model()
     # A prompt longer than the window of newest tokens that stay in 16 bits.
