@@ -128,9 +128,9 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     """A pool laid out on the host from each segment's policy index, kept tokens and `growth`;
     `bits`: each policy's precision (None: the model's dtype); `ranks`: whether any policy may
     rank its slots (else no score and no flags are kept: a cache that keeps all, in fewer bits).
-    A group gets room for the tokens
-    until the first eviction, plus what the budget charged its policy for the `new` tokens (a
-    quarter of its width at most, as in `grow`): a group of heads that keep all never grows."""
+    A group gets room for the tokens until the first eviction, plus what the budget charged its
+    policy for the `new` tokens (a quarter of its width at most, as in `grow`): a group of heads
+    that keep all never grows."""
     room = min(every, new)
     new = max(new - room, 0)
     groups = []
