@@ -147,7 +147,7 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     groups.sort(key=lambda g: precisions.index(g.bits))  # stable: policy order within a part
     # Per slot its position; its score and flags where a policy ranks by them; the latest
     # query's attention (4 bytes a slot) only for a policy that reads it.
-    wanted = {"pos"} | ({"score", "flags"} if ranks else set()) | ({"last"} if reads_last else set())
+    wanted = {"pos", *(("score", "flags") if ranks else ()), *(("last",) if reads_last else ())}
     fields = {n: e for n, e in SLOT_FIELDS.items() if n in wanted}
     fields.update({n: 0 for b in precisions for n in stored(b)})
     slots = sum(len(g.rows) * g.pages for g in groups) * page

@@ -479,7 +479,8 @@ def compare(ref: Reference, state: State):
             f"segment {s} ({ref.policy[s]!r}): cache holds {sorted(held)}, "
             f"reference {sorted(ref.kept[s])}")
         for j, score in held.items():
-            assert math.isnan(score) or math.isclose(score, ref.score[s][j], rel_tol=1e-4, abs_tol=1e-5), (
+            same = math.isclose(score, ref.score[s][j], rel_tol=1e-4, abs_tol=1e-5)
+            assert math.isnan(score) or same, (
                 f"segment {s}: score of position {j} is {score}, reference {ref.score[s][j]}")
 
 
