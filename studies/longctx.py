@@ -78,6 +78,11 @@ READINGS = ("question_last", "agnostic")
 METHODS = ("full", "fastgen", "fastgen-ask", "fastgen-paper", "local", "sink", "h2o", "tova",
            "snapkv", "full@4", "fastgen@16/8/4", "fastgen-ask@16/8/4")
 FIXED = ("local", "sink", "h2o", "tova", "snapkv")
+# FastGen's methods under a budget, with their options (with kv_bits, the budget is a share of a
+# 16-bit cache's bytes, not of the tokens).
+FASTGEN = {"fastgen": {}, "fastgen-ask": {"ask_after": True},
+           "fastgen@16/8/4": {"kv_bits": (16, 8, 4)},
+           "fastgen-ask@16/8/4": {"kv_bits": (16, 8, 4), "ask_after": True}}
 FLOOR = 0.3  # a task the full cache scores below this is left out of the averages
 
 # Greedy tokens per answer: 7 digits (one token each with SmolLM2's tokenizer)
@@ -280,17 +285,8 @@ def method_configs(methods, budgets, thresholds) -> list[Config]:
         raise ValueError(f"unknown method {', '.join(unknown)}; methods: {', '.join(METHODS)}")
     out = [Config("full", "full", {})]
     for m in methods:
-        if m == "fastgen":
-            out += [Config(f"fastgen b={b:g}", "fastgen", {"kv_budget": b}) for b in budgets]
-        elif m == "fastgen-ask":
-            out += [Config(f"fastgen-ask b={b:g}", "fastgen", {"kv_budget": b, "ask_after": True})
-                    for b in budgets]
-        elif m == "fastgen@16/8/4":  # a budget of a 16-bit cache's bytes, not tokens
-            out += [Config(f"fastgen@16/8/4 b={b:g}", "fastgen",
-                           {"kv_budget": b, "kv_bits": (16, 8, 4)}) for b in budgets]
-        elif m == "fastgen-ask@16/8/4":
-            out += [Config(f"fastgen-ask@16/8/4 b={b:g}", "fastgen",
-                           {"kv_budget": b, "kv_bits": (16, 8, 4), "ask_after": True})
+        if m in FASTGEN:
+            out += [Config(f"{m} b={b:g}", "fastgen", {"kv_budget": b, **FASTGEN[m]})
                     for b in budgets]
         elif m == "full@4":
             out += [Config("full@4", "full", {"kv_bits": (4,)})]
