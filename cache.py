@@ -50,6 +50,7 @@ HELD_BYTES = 16 << 20
 # The default's profile: the last ROWS prompt rows, each token scored over SPAN tokens; its
 # budget shared by the heads of SCOPE layers (studies/README.md).
 ROWS, SPAN, SCOPE = 32, 16, 6
+READ_SINKS = 4  # the prompt's first tokens, which every piece read again attends to
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
@@ -200,6 +201,7 @@ class FastGenCache(Cache):
         self.rereading = False  # the next forward reads again (`reading_again`)
         self.reread = None  # what reading again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
+        self.read_from = None  # (B,) the prompt position where the part read again starts
         rows = method.rows
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
@@ -237,29 +239,37 @@ class FastGenCache(Cache):
         return causal_attention(q, k, v) if out is None else out
 
     def read_again(self, q, k, v):
-        """Attend over all that is held (the prompt before `decide`, else the pool) and, causally,
-        these tokens read again; add what each held token got to `reread`, holding none of them."""
+        """Attend, causally, over these R tokens read again and, of what is held (the prompt
+        before `decide`, else the pool), over the prompt's first READ_SINKS tokens and the R
+        from `read_from`, the part they repeat; add what each held token got to `reread`,
+        holding none of them. The rest of what is held is not read: a part repeated attends
+        mostly to itself (KVzip's chunked reconstruction), and the reading then costs about
+        as much as the prompt's own prefill, not R times all that is held."""
         t0 = _clock(q.device)
         sums = lambda *a: flash_reread_sums(*a) or reread_sums(*a)  # noqa: E731
-        if self.pool is None:  # the prompt: every segment's, as prefill held it
+        B, H, R, D = q.shape
+        if self.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
             _, ck, cv, _ = self.held
-            held = torch.arange(ck.shape[2], device=q.device) < self.prompt_lens[:, None]
-            y, got = sums(q, k, v, ck, cv, held, self.counts)
-            got = [got]
+            T, s = ck.shape[2], int(self.read_from[0])
+            cols = torch.cat([torch.arange(min(READ_SINKS, s)), torch.arange(s, min(s + R, T))])
+            cols = cols.to(q.device)
+            y, col = sums(q, k, v, ck[:, :, cols], cv[:, :, cols],
+                          cols < self.prompt_lens[:, None], self.counts)
+            got = [col.new_zeros(len(col), T).index_copy_(1, cols, col)]
         else:  # the pool: a group's segments at a time, each a sequence of one KV head
-            B, H, R, D = q.shape
             K = self.n_kv_heads
             q, k, v = q.reshape(B * K, H // K, R, D), k.reshape(B * K, 1, R, D), v.reshape(
                 B * K, 1, R, D)
-            counts = self.counts.repeat_interleave(K)
+            counts, first = (t.repeat_interleave(K) for t in (self.counts, self.read_from))
             keys, values = self.pool.kv_pages()
             keys = keys.transpose(1, 2)  # (N, P, D)
             y, got = torch.empty_like(q), []
             for g in self.pool.groups:
                 seg = g.seg.to(q.device)
+                pos, at = g.block(self.pool.pos), first[seg][:, None]
+                reads = (pos >= 0) & ((pos < READ_SINKS) | ((pos >= at) & (pos < at + R)))
                 y[seg], col = sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
-                                   g.block(values)[:, None], g.block(self.pool.pos) >= 0,
-                                   counts[seg])
+                                   g.block(values)[:, None], reads, counts[seg])
                 got.append(col)
             y = y.view(B, H, R, D)
         self.reread = got if self.reread is None else list(map(torch.maximum, self.reread, got))
@@ -705,9 +715,10 @@ def evict(caches: list[FastGenCache]):
                lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
 
 
-def reading_again(caches: list[FastGenCache], counts=None):
+def reading_again(caches: list[FastGenCache], counts=None, first=None):
     """Before each piece of a reading again (generation.read_again), its tokens (B,) per
-    sequence; None ends the reading: every layer profiles what it gave and decides."""
+    sequence and the prompt position `first` (B,) of the part it reads again; no counts
+    ends the reading: every layer profiles what it gave and decides."""
     if counts is None:
         for c in caches:
             c.rereading = False
@@ -720,6 +731,7 @@ def reading_again(caches: list[FastGenCache], counts=None):
     for c in caches:
         c.rereading = True
         c.counts = torch.as_tensor(counts, device=c.prompt_lens.device)
+        c.read_from = torch.as_tensor(first, device=c.prompt_lens.device)
 
 
 def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, token_flags=None,

@@ -85,19 +85,21 @@ READ_AGAIN = 1024
 def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ_AGAIN,
                decide: bool = True):
     """Read again what the caches read last, tokens (B, T) of which counts (B,)
-    each sequence's, in pieces of `piece` tokens, each attending to all that
-    is held and causally to itself (KVzip's context reconstruction, in
-    chunks), for caches that choose what to keep by the attention it gives
-    (cache.Method.reread). Nothing of it is kept. A piece starts at `start`
-    (B,), the position after what was read (default: counts, a whole prompt),
-    or earlier where it would run past the model's context. With `decide`
-    False the caches hold what it gave until cache.reading_again(caches)."""
+    each sequence's, in pieces of `piece` tokens, for caches that choose what
+    to keep by the attention it gives (cache.Method.reread): KVzip's context
+    reconstruction in chunks, each piece attending to the first tokens and
+    its own part of what is held, and causally to itself
+    (FastGenCache.read_again). Nothing of it is kept. A piece is placed at
+    `start` (B,), the position after what was read (default: counts, a whole
+    prompt), or earlier where it would run past the model's context. With
+    `decide` False the caches hold what it gave until
+    cache.reading_again(caches)."""
     caches, B = model.caches(), len(tokens)
     start = counts if start is None else start
     for s in range(0, tokens.shape[1], piece):
         part = tokens[:, s:s + piece]
         at = start.clamp(max=model.args.max_seq_len - part.shape[1])
-        fastgen_cache.reading_again(caches, (counts - s).clamp(0, piece))
+        fastgen_cache.reading_again(caches, (counts - s).clamp(0, piece), start - counts + s)
         model(part, at[:, None] + torch.arange(part.shape[1], device=part.device),
               logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
     if decide:

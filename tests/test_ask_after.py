@@ -76,12 +76,37 @@ def test_reread_profile_is_the_scores_and_local_their_end():
     assert prof.rows.tolist() == [1.0, 1.0]
 
 
+class Masked(Recorder):
+    """A layer's q, k, v from a forward whose rows see what `sees` (N, N) allows."""
+
+    def __init__(self, sees):
+        super().__init__(None)
+        self.sees = sees
+
+    def forward(self, q, k, v, input_pos, tokens):
+        self.qkv = (q, k, v)
+        G = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=self.sees)
+
+
+def sees_part(T, s, R, n):
+    """(T + R, T + R): the prompt's T rows causal; the R rows of the part from s read
+    again see the first READ_SINKS of the prompt, its own R from s, and causally
+    themselves; n of them are real, so the others see nothing but themselves."""
+    sees = torch.ones(T + R, T + R).tril().bool()
+    cols = torch.arange(T)
+    sees[T:, :T] = (cols < cache.READ_SINKS) | ((cols >= s) & (cols < s + R))
+    sees[T + n:, :T] = False
+    return sees
+
+
 @pytest.mark.parametrize("piece", [5, 16])
 def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
     """What each layer profiles is the score that the prompt's pieces, each fed
     right after the whole prompt, give it (the most over the pieces): recorded
-    from a plain forward of the prompt then the piece, as causal attention
-    computes it."""
+    from a forward of the prompt then the piece, the piece's rows seeing the
+    prompt's first READ_SINKS tokens and their own part of it."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 12))
@@ -99,16 +124,17 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
     want = torch.zeros(2 * model.args.n_kv_heads, T)  # (layers * K, T)
     for s in range(0, T, piece):
         part = ids[:, s:s + piece]
-        recorders = [Recorder(None) for _ in model.layers]
+        R = part.shape[1]
+        sees = sees_part(T, s, R, R)
+        recorders = [Masked(sees) for _ in model.layers]
         model.setup_caches(recorders)
-        model(torch.cat([ids, part], 1), torch.arange(T + part.shape[1])[None])
+        model(torch.cat([ids, part], 1), torch.arange(T + R)[None])
         for layer, r in enumerate(recorders):
             q, k, _ = r.qkv
             G = q.shape[1] // k.shape[1]
             scores = q[0, :, T:] @ k[0].repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(
                 q.shape[-1])
-            mask = torch.ones(part.shape[1], T + part.shape[1]).tril(T).bool()
-            p = scores.masked_fill(~mask, -math.inf).softmax(-1)[..., :T]  # (H, R, T)
+            p = scores.masked_fill(~sees[T:], -math.inf).softmax(-1)[..., :T]  # (H, R, T)
             rows = slice(layer * k.shape[1], (layer + 1) * k.shape[1])
             want[rows] = torch.maximum(want[rows], norm_of_rows(p, G))
     model.setup_caches(None)
@@ -137,8 +163,9 @@ def test_ask_after_refuses_what_it_cannot_do(options, message):
 
 def test_a_chunk_read_again_is_the_attention_over_the_pool():
     """A prompt read in two chunks: the second, read again, attends over the
-    pool (which here keeps every token) as a plain forward of the prompt and
-    the chunk again computes it."""
+    pool (which here keeps every token) as a forward of the prompt and the
+    chunk again computes it, the chunk seeing the prompt's first READ_SINKS
+    tokens and its own part."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 20))
@@ -157,7 +184,8 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool():
                                                             prefill_chunk=12))
     finally:
         cache.FastGenCache.choose_from_reading = real
-    recorders = [Recorder(None) for _ in model.layers]
+    sees = sees_part(20, 12, 8, 8)
+    recorders = [Masked(sees) for _ in model.layers]
     model.setup_caches(recorders)
     model(torch.cat([ids, ids[:, 12:]], 1), torch.arange(28)[None])
     model.setup_caches(None)
@@ -166,7 +194,7 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool():
         G = q.shape[1] // k.shape[1]
         scores = q[0, :, 20:] @ k[0].repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(
             q.shape[-1])
-        p = scores.masked_fill(~torch.ones(8, 28).tril(20).bool(), -math.inf).softmax(-1)
+        p = scores.masked_fill(~sees[20:], -math.inf).softmax(-1)
         want = norm_of_rows(p[..., :20], G)  # (K, 20)
         torch.testing.assert_close(got[layer], want, atol=1e-5, rtol=1e-4)
 
