@@ -50,7 +50,10 @@ HELD_BYTES = 16 << 20
 # The default's profile: the last ROWS prompt rows, each token scored over SPAN tokens; its
 # budget shared by the heads of SCOPE layers (studies/README.md).
 ROWS, SPAN, SCOPE = 32, 16, 6
-READ_SINKS = 4  # the prompt's first tokens, which every piece read again attends to
+# What a piece read again attends to of the prompt besides itself: its first READ_SINKS tokens
+# and, from READ_BEFORE tokens before the part the piece repeats, to that part's end
+# (studies/README.md, ask_after).
+READ_SINKS, READ_BEFORE = 4, 1024
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
@@ -240,18 +243,20 @@ class FastGenCache(Cache):
 
     def read_again(self, q, k, v):
         """Attend, causally, over these R tokens read again and, of what is held (the prompt
-        before `decide`, else the pool), over the prompt's first READ_SINKS tokens and the R
-        from `read_from`, the part they repeat; add what each held token got to `reread`,
-        holding none of them. The rest of what is held is not read: a part repeated attends
-        mostly to itself (KVzip's chunked reconstruction), and the reading then costs about
-        as much as the prompt's own prefill, not R times all that is held."""
+        before `decide`, else the pool), over the prompt's first READ_SINKS tokens and its
+        tokens from READ_BEFORE before `read_from` to the end of the R they repeat; add what
+        each held token got to `reread`, holding none of them. The rest of what is held is
+        not read: a part repeated attends mostly to itself and what just came before it
+        (KVzip's chunked reconstruction), and the reading then costs a bounded amount a
+        token, not R times all that is held."""
         t0 = _clock(q.device)
         sums = lambda *a: flash_reread_sums(*a) or reread_sums(*a)  # noqa: E731
         B, H, R, D = q.shape
         if self.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
             _, ck, cv, _ = self.held
             T, s = ck.shape[2], int(self.read_from[0])
-            cols = torch.cat([torch.arange(min(READ_SINKS, s)), torch.arange(s, min(s + R, T))])
+            lo = max(0, s - READ_BEFORE)
+            cols = torch.cat([torch.arange(min(READ_SINKS, lo)), torch.arange(lo, min(s + R, T))])
             cols = cols.to(q.device)
             y, col = sums(q, k, v, ck[:, :, cols], cv[:, :, cols],
                           cols < self.prompt_lens[:, None], self.counts)
@@ -267,7 +272,8 @@ class FastGenCache(Cache):
             for g in self.pool.groups:
                 seg = g.seg.to(q.device)
                 pos, at = g.block(self.pool.pos), first[seg][:, None]
-                reads = (pos >= 0) & ((pos < READ_SINKS) | ((pos >= at) & (pos < at + R)))
+                reads = (pos >= 0) & ((pos < READ_SINKS) | ((pos >= at - READ_BEFORE)
+                                                            & (pos < at + R)))
                 y[seg], col = sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
                                    g.block(values)[:, None], reads, counts[seg])
                 got.append(col)

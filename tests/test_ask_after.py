@@ -92,11 +92,12 @@ class Masked(Recorder):
 
 def sees_part(T, s, R, n):
     """(T + R, T + R): the prompt's T rows causal; the R rows of the part from s read
-    again see the first READ_SINKS of the prompt, its own R from s, and causally
-    themselves; n of them are real, so the others see nothing but themselves."""
+    again see the first READ_SINKS of the prompt, its tokens from READ_BEFORE before s
+    to s + R, and causally themselves; n of them are real, so the others see nothing but
+    themselves."""
     sees = torch.ones(T + R, T + R).tril().bool()
     cols = torch.arange(T)
-    sees[T:, :T] = (cols < cache.READ_SINKS) | ((cols >= s) & (cols < s + R))
+    sees[T:, :T] = (cols < cache.READ_SINKS) | ((cols >= s - cache.READ_BEFORE) & (cols < s + R))
     sees[T + n:, :T] = False
     return sees
 
@@ -106,7 +107,8 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
     """What each layer profiles is the score that the prompt's pieces, each fed
     right after the whole prompt, give it (the most over the pieces): recorded
     from a forward of the prompt then the piece, the piece's rows seeing the
-    prompt's first READ_SINKS tokens and their own part of it."""
+    prompt's first READ_SINKS tokens and their own part of it with the 3 before."""
+    monkeypatch.setattr(cache, "READ_BEFORE", 3)
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 12))
@@ -161,11 +163,12 @@ def test_ask_after_refuses_what_it_cannot_do(options, message):
         CacheOptions(**options).check()
 
 
-def test_a_chunk_read_again_is_the_attention_over_the_pool():
+def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch):
     """A prompt read in two chunks: the second, read again, attends over the
     pool (which here keeps every token) as a forward of the prompt and the
     chunk again computes it, the chunk seeing the prompt's first READ_SINKS
-    tokens and its own part."""
+    tokens and its own part with the 3 before."""
+    monkeypatch.setattr(cache, "READ_BEFORE", 3)
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 20))
