@@ -50,9 +50,8 @@ HELD_BYTES = 16 << 20
 # The default's profile: the last ROWS prompt rows, each token scored over SPAN tokens; its
 # budget shared by the heads of SCOPE layers (studies/README.md).
 ROWS, SPAN, SCOPE = 32, 16, 6
-# What a piece read again attends to of the prompt besides itself: its first READ_SINKS tokens
-# and, from READ_BEFORE tokens before the part the piece repeats, to that part's end
-# (studies/README.md, ask_after).
+# A piece read again attends to the prompt's first READ_SINKS tokens and to its tokens from
+# READ_BEFORE before the part it repeats to that part's end (studies/README.md, ask_after).
 READ_SINKS, READ_BEFORE = 4, 1024
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
@@ -243,12 +242,10 @@ class FastGenCache(Cache):
 
     def read_again(self, q, k, v):
         """Attend, causally, over these R tokens read again and, of what is held (the prompt
-        before `decide`, else the pool), over the prompt's first READ_SINKS tokens and its
-        tokens from READ_BEFORE before `read_from` to the end of the R they repeat; add what
-        each held token got to `reread`, holding none of them. The rest of what is held is
-        not read: a part repeated attends mostly to itself and what just came before it
-        (KVzip's chunked reconstruction), and the reading then costs a bounded amount a
-        token, not R times all that is held."""
+        before `decide`, else the pool), over the window READ_SINKS and READ_BEFORE give the
+        R prompt tokens from `read_from` that they repeat; add what each held token got to
+        `reread`, holding none of them. A token read again then costs a bounded amount, not
+        all that is held."""
         t0 = _clock(q.device)
         sums = lambda *a: flash_reread_sums(*a) or reread_sums(*a)  # noqa: E731
         B, H, R, D = q.shape
