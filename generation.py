@@ -87,8 +87,8 @@ def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ
     """Read again what the caches read last, tokens (B, T) of which counts (B,)
     each sequence's, in pieces of `piece` tokens, for caches that choose what
     to keep by the attention it gives (cache.Method.reread): KVzip's context
-    reconstruction in chunks, each piece attending to the first tokens and
-    its own part of what is held, and causally to itself
+    reconstruction in chunks, each piece attending to the first tokens, its
+    own part of what is held and the part before it, and causally to itself
     (FastGenCache.read_again). Nothing of it is kept. A piece is placed at
     `start` (B,), the position after what was read (default: counts, a whole
     prompt), or earlier where it would run past the model's context. With
