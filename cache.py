@@ -53,6 +53,9 @@ ROWS, SPAN, SCOPE = 32, 16, 6
 # A piece read again attends to the prompt's first READ_SINKS tokens and to its tokens from
 # READ_BEFORE before the part it repeats to that part's end (studies/README.md, ask_after).
 READ_SINKS, READ_BEFORE = 4, 1024
+# What a rounding error (profiling.precision_errors) weighs against the attention a policy
+# evicts, in the default's recoveries.
+ROUNDING_WEIGHT = 1.0
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
@@ -263,6 +266,7 @@ class FastGenCache(Cache):
             q, k, v = q.reshape(B * K, H // K, R, D), k.reshape(B * K, 1, R, D), v.reshape(
                 B * K, 1, R, D)
             counts, first = (t.repeat_interleave(K) for t in (self.counts, self.read_from))
+            q, (k, v) = self.pool.queries(q), self.pool.keys_values(k, v)  # as the pool holds them
             keys, values = self.pool.kv_pages()
             keys = keys.transpose(1, 2)  # (N, P, D)
             y, got = torch.empty_like(q), []
@@ -274,7 +278,7 @@ class FastGenCache(Cache):
                 y[seg], col = sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
                                    g.block(values)[:, None], reads, counts[seg])
                 got.append(col)
-            y = y.view(B, H, R, D)
+            y = self.pool.outputs(y).view(B, H, R, D)
         self.reread = got if self.reread is None else list(map(torch.maximum, self.reread, got))
         self.profile_s += _clock(q.device) - t0
         return y
@@ -543,6 +547,8 @@ def decide(caches: list[FastGenCache]):
         errors = errors[:, [kinds.index(b) for b in first.bits]]  # (L * S, M)
         if first.method.reread:  # shares of the attention, as score: of all the head's
             errors = errors * sums.colsum.sum(1, keepdim=True)
+        else:  # as attention evicted: a share of it changes the output more than rounding
+            errors = errors * ROUNDING_WEIGHT
         recovery = recovery - errors
         for c, e in zip(caches, errors.view(len(caches), -1, errors.shape[1])):
             c.errors = e

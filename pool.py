@@ -9,8 +9,10 @@ allocates about 5% of a full head's bytes.
 
 Each group stores K and V at its policy's precision (quant.py); the groups of one precision form
 a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
-minima). A part at 4 or 2 bits also keeps each segment's newest WINDOW tokens in 16 bits (its
-*window*), read instead of their codes. `PagedPool` keeps K as pages (N, D, P) and pieces each
+minima). A rounding part stores keys over their channel factors and both K and V rotated
+(quant.py), and reads them so: `queries` turn a query to them and `outputs` turn the output back.
+A part at 4 or 2 bits also keeps each segment's newest WINDOW tokens in 16 bits (its *window*),
+read instead of their codes. `PagedPool` keeps K as pages (N, D, P) and pieces each
 segment's softmax together from its pages; `MaskedPool`, for small unquantized pools attended
 eagerly, keeps K as one (D, N * P) and attends every query to every slot, kept to its own by a
 bias. The interface the cache uses, one layer at a time:
@@ -36,7 +38,8 @@ import torch._dynamo
 import torch.nn as nn
 
 from kernels import masked_attention, paged_attention, slot_bias
-from quant import WINDOW, channel_factors, dequantize, quantize, rounds, storage_dtype, windowed
+from quant import (WINDOW, channel_factors, dequantize, hadamard, quantize, rounds, storage_dtype,
+                   windowed)
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments in a group,
 # N pages, P slots per page, C slots per segment in a group, M = N * P slots, D head dimension.
@@ -63,7 +66,7 @@ def slot_bytes(reads_last: bool, ranks: bool = True) -> int:
 
 
 def window(bits: int) -> list[str]:
-    """A window's K (over the key factors), V (n, WINDOW, D), positions (-1: none), slots."""
+    """A window's K, V (n, WINDOW, D) as the part stores them, positions (-1: none), slots."""
     return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
 
 
@@ -220,9 +223,14 @@ class Pool(nn.Module, abc.ABC):
                                      persistent=False)
         self.rounds_keys = any(map(rounds, self.precisions))
         if self.rounds_keys:  # 1 for the segments of a part that does not round
+            exact = [s for g in self.groups if not rounds(g.bits) for s in g.rows]
             factors = channel_factors(k.reshape(B * K, T, D), valid)
-            factors[[s for g in self.groups if not rounds(g.bits) for s in g.rows]] = 1.0
+            factors[exact] = 1.0
+            rotated = torch.ones(B * K, dtype=torch.bool, device=k.device)
+            rotated[exact] = False
             self.register_buffer("key_factors", factors, persistent=False)
+            self.register_buffer("rotated", rotated, persistent=False)
+            self.rotation = hadamard(D, k.device)  # one per process, shared (16 KB at D = 64)
         slot_seg = self.owner.repeat_interleave(P)
         k, v = ((t.transpose(1, 2).reshape(-1, D).index_select(0, rows)) for t in (k, v))
         for bits, first, n in self.parts:
@@ -249,7 +257,8 @@ class Pool(nn.Module, abc.ABC):
             return dict(k=k.to(dtype), v=v.to(dtype))
         f = self.key_factors if seg is None else self.key_factors.index_select(0, seg)
         k = (k.view(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
-        return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
+        return dict(zip(stored(bits), (*quantize(self.turn(k), bits),
+                                       *quantize(self.turn(v), bits))))
 
     def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
         """A part's K (n, D, P) and V (n, P, D) in the model's dtype, windows applied."""
@@ -271,12 +280,39 @@ class Pool(nn.Module, abc.ABC):
         return k.transpose(1, 2), v
 
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (N, D, P) and V (N, P, D) of every part, in the model's dtype."""
+        """K (N, D, P) and V (N, P, D) of every part, in the model's dtype, as stored: a
+        rounding part's are read by `queries` and give `outputs`."""
         k, v = zip(*(self.read(bits) for bits in self.precisions))
-        k, v = (k[0], v[0]) if len(k) == 1 else (torch.cat(k), torch.cat(v))
-        if self.rounds_keys:  # each page's channels back to their size
-            k = k * self.key_factors.index_select(0, self.owner)[..., None].to(k.dtype)
-        return k, v
+        return (k[0], v[0]) if len(k) == 1 else (torch.cat(k), torch.cat(v))
+
+    # --- Rotation: a rounding part's keys over their factors, K and V rotated ------
+    def turn(self, x):
+        """x (..., D) rotated, or rotated back (the rotation is its own inverse)."""
+        return (x.float() @ self.rotation).to(x.dtype)
+
+    def turned(self, x):
+        """x (S, ...) rotated for the segments of a rounding part."""
+        if not self.rounds_keys:
+            return x
+        return torch.where(self.rotated.view(-1, *[1] * (x.dim() - 1)), self.turn(x), x)
+
+    def queries(self, q):
+        """Queries q (S, ..., D) for the keys as stored: q . k = (q * f) R . (k / f) R."""
+        if not self.rounds_keys:
+            return q
+        f = self.key_factors.view(len(self.dest), *[1] * (q.dim() - 2), -1)
+        return self.turned(q * f.to(q.dtype))
+
+    def keys_values(self, k, v):
+        """Exact k, v (S, ..., D) as the pool stores them before rounding."""
+        if not self.rounds_keys:
+            return k, v
+        f = self.key_factors.view(len(self.dest), *[1] * (k.dim() - 2), -1)
+        return self.turned(k / f.to(k.dtype)), self.turned(v)
+
+    def outputs(self, y):
+        """Outputs y (S, ..., D) over values as stored, turned back."""
+        return self.turned(y)
 
     # --- A decode step -----------------------------------------------------------
     def write(self, k, v, pos, flags, slot=None, per: int = 1):
@@ -322,7 +358,7 @@ class Pool(nn.Module, abc.ABC):
         CHUNK_ROWS queries at a time: a chunk's scores would outweigh the cache.
         `self.observed`: each group's last `observe` rows, (n, observe, C), averaged over G."""
         S, G, T, D = q.shape
-        y = q.new_empty(q.shape)
+        q, y = self.queries(q), q.new_empty(q.shape)
         self.observed = []
         keys, values = self.kv_pages()
         keys = keys.transpose(1, 2)  # (N, P, D)
@@ -352,7 +388,7 @@ class Pool(nn.Module, abc.ABC):
             if "last" in self.fields:
                 block = g.block(self.last)
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
-        return y
+        return self.outputs(y)
 
     # --- The window: each 4- or 2-bit segment's newest tokens, also in 16 bits ------
     def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,9 +409,9 @@ class Pool(nn.Module, abc.ABC):
 
     def remember(self, bits, segs, k, v, pos, slot):
         """Segments segs wrote k, v (n, c, D) at pos, slot (n, c): each window keeps the newest."""
-        k = k / self.key_factors.index_select(0, segs)[:, None].to(k.dtype)
+        k = self.turn(k / self.key_factors.index_select(0, segs)[:, None].to(k.dtype))
         names = window(bits)
-        new = (k, v, pos.to(torch.int32), slot)
+        new = (k, self.turn(v), pos.to(torch.int32), slot)
         both = [torch.cat([getattr(self, name), x.to(getattr(self, name).dtype)], 1)
                 for name, x in zip(names, new)]
         top = both[2].topk(getattr(self, names[2]).shape[1], dim=1).indices  # (n, width)
@@ -481,7 +517,7 @@ class Pool(nn.Module, abc.ABC):
 
     def nbytes(self) -> int:
         names = (*self.fields, *self.STATE, *self.part_rows,
-                 *(["key_factors"] if self.rounds_keys else []),
+                 *(["key_factors", "rotated"] if self.rounds_keys else []),
                  *(name for b in filter(windowed, self.precisions) for name in window(b)))
         return sum(getattr(self, name).nbytes for name in names)
 
@@ -539,7 +575,8 @@ class PagedPool(Pool):
         self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
 
     def attend(self, q):
-        return paged_attention(q, *self.kv_pages(), self.pos < 0, self.owner)
+        y, last = paged_attention(self.queries(q), *self.kv_pages(), self.pos < 0, self.owner)
+        return self.outputs(y), last
 
     def key_pages(self):
         return self.k.transpose(1, 2)

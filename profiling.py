@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from policies import Policy, Slots, Union, shares
-from quant import WINDOW, channel_factors, dequantize, quantize, rounds, windowed
+from quant import WINDOW, channel_factors, dequantize, quantize, rotate, rounds, windowed
 
 # Prompt rows that measure a precision's cost when profiling reads every row.
 ERROR_ROWS = 32
@@ -269,8 +269,8 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
     for i, b in enumerate(bits):
         if not rounds(b):
             continue
-        kb = dequantize(*quantize(k / factors, b), b) * factors  # as the pool rounds them
-        vb = dequantize(*quantize(v, b), b)
+        kb = rotate(dequantize(*quantize(rotate(k / factors), b), b)) * factors  # as the pool
+        vb = rotate(dequantize(*quantize(rotate(v), b), b))
         if windowed(b):
             kb, vb = kb.where(~newest, k), vb.where(~newest, v)
         moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)

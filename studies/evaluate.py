@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cache as fastgen_cache
+from generate import UsageError
 import model as model_module
 from cache import profile_layers
 from generation import CacheOptions, make_caches, read_again
@@ -71,7 +72,7 @@ class Config:
 def configs(budgets, paper_thresholds=(), kinds=None, precision=False) -> list[Config]:
     """The full cache; FastGen as the paper states it (threshold T) and the
     default (a budget); the fixed policies at each budget; with `precision`,
-    the default choosing among 16, 8 and 4 bits and at 16 bits alone, the full
+    the default choosing among 16, 8 and 4 bits and at 16, 8 or 4 bits alone, the full
     cache at 8, 4 and 2 bits, and h2o and SnapKV at 16, 8 and 4 bits (a
     family per precision: `h2o@4`)."""
     out = [Config("full", "full", {})]
@@ -82,10 +83,15 @@ def configs(budgets, paper_thresholds=(), kinds=None, precision=False) -> list[C
     if precision:
         out += [Config(f"fastgen-budget@{'/'.join(map(str, bits))} b={b:g}", "fastgen",
                        {"kv_budget": b, "kv_bits": bits})
-                for bits in ((16, 8, 4), (16,)) for b in budgets]
+                for bits in ((16, 8, 4), (16,), (8,), (4,)) for b in budgets]
         out += [Config(f"full@{q}", "full", {"kv_bits": (q,)}) for q in (8, 4, 2)]
         out += [Config(f"{kind}@{q} b={b:g}", kind, {"kv_budget": b, "kv_bits": (q,)})
                 for kind in ("h2o", "snapkv") for q in (16, 8, 4) for b in budgets]
+    unknown = set(kinds or ()) - {family(c.name) for c in out}
+    if unknown:
+        raise UsageError(f"--kinds: no family {', '.join(sorted(unknown))} here; these are: "
+                         f"{' '.join(dict.fromkeys(family(c.name) for c in out))}"
+                         + ("" if precision else " (and more with --precision)"))
     return [c for c in out if kinds is None or c.name == "full" or family(c.name) in kinds]
 
 

@@ -16,7 +16,8 @@ per channel, groups of 32 tokens for each channel, for keys and values or, as
 KIVI does, for keys only (values per token); each key channel scaled before
 rounding per token; every key and value rotated by a fixed orthonormal
 matrix first (Hadamard or random, as rotation methods such as QuaRot spread
-outlier channels); and with the last 16 to 128 tokens of the window kept in
+outlier channels); keys scaled, then rotated, with values rotated (what the
+pool stores); and with the last 16 to 128 tokens of the window kept in
 16 bits, as KIVI and HF transformers' quantized cache keep their newest
 tokens (bytes then averaged over the window).
 
@@ -65,6 +66,12 @@ def rotated(x, bits, group, rotation="hadamard"):
     (rounded x R, read back times R^T): outlier channels spread over all."""
     r = hadamard(x.shape[-1]) if rotation == "hadamard" else random_rotation(x.shape[-1])
     return per_token(x @ r, bits, group) @ r.T
+
+
+def scaled_rotated(x, bits, group):
+    """As the pool stores keys: each channel scaled (alpha 0.5), then rotated (Hadamard)."""
+    c = x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** 0.5
+    return rotated(x / c, bits, group) * c
 
 
 def per_channel(x, bits, tokens):
@@ -127,6 +134,9 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
         ways[f"rotated (Hadamard), groups of 32, newest {w} in 16 bits"] = (rotated, rotated, 32, w)
         ways[f"per token, groups of 32, channels scaled (alpha 0.5), newest {w} in 16 bits"] = (
             smoothed, per_token, 32, w)
+    for w in (0, 32):  # the pool's: keys scaled then rotated, values rotated
+        ways["keys scaled then rotated, values rotated, groups of 32"
+             + (f", newest {w} in 16 bits" if w else "")] = (scaled_rotated, rotated, 32, w)
     table = {}
     with torch.no_grad():
         recorders = record(model, texts)[0]

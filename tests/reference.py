@@ -29,7 +29,7 @@ from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, 
                       Union)
 from pool import window as window_tensors
 from profiling import attention_sums, local_ratios, weigh
-from quant import channel_factors, dequantize, quantize, rounds, windowed
+from quant import channel_factors, dequantize, quantize, rotate, rounds, windowed
 
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
@@ -276,14 +276,14 @@ class Reference:
         b = bits or self.stored[s]
         if b is None:
             return x.double()
-        if b == 16 and key and rounds(self.stored[s]):  # a rounding segment's window
-            return ((x.float() / self.factors[s]).half().float() * self.factors[s]).double()
-        if b == 16:
+        if not rounds(self.stored[s]):
             return x.float().half().double()
-        if key:  # keys: each channel divided by its factor first
-            f = self.factors[s]
-            return (dequantize(*quantize(x.float() / f, b), b) * f).double()
-        return dequantize(*quantize(x.float(), b), b).double()
+        # A rounding segment: keys over their channel factors, then keys and values rotated,
+        # in 16 bits in its window (b = 16), else rounded; read back, rotated back.
+        f = self.factors[s] if key else 1.0
+        y = rotate(x.float() / f)
+        y = y.half().float() if b == 16 else dequantize(*quantize(y, b), b)
+        return (rotate(y) * f).double()
 
     def choose(self, recovery, cache_choice):
         """The first policy reaching the threshold (Full when the threshold is >= 1);

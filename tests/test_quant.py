@@ -55,6 +55,33 @@ def test_a_constant_group_rounds_to_itself():
     assert torch.equal(dequantize(*quantize(x, 4), 4), x)
 
 
+def sylvester(D: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix by its definition: H[i, j] = (-1)^(the bits i and j share)."""
+    i = torch.arange(D)
+    shared = torch.tensor([[bin(a & b).count("1") for b in i.tolist()] for a in i.tolist()])
+    return (1 - 2 * (shared % 2)).float() / math.sqrt(D)
+
+
+@pytest.mark.parametrize("D", [64, 128, 80])
+def test_the_rotation_is_sylvesters_and_its_own_inverse(D):
+    h = quant.hadamard(D)
+    n = D & -D  # 80: five blocks of 16
+    assert torch.equal(h, torch.block_diag(*[sylvester(n)] * (D // n)))
+    x = torch.randn(5, D)
+    assert torch.allclose(quant.rotate(quant.rotate(x)), x, atol=1e-5)
+
+
+def test_rotation_spreads_an_outlier_channel_and_rounds_closer():
+    """One channel far larger than the rest sets its group's scale, and the
+    others round to a few levels; rotated, every number carries a share of it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g)
+    x[:, 5] *= 30
+    plain = dequantize(*quantize(x, 4), 4)
+    turned = quant.rotate(dequantize(*quantize(quant.rotate(x), 4), 4))
+    assert (turned - x).norm() < 0.5 * (plain - x).norm()
+
+
 def test_precision_errors_equal_brute_force():
     g = torch.Generator().manual_seed(0)
     B, K, G, T, D, rows = 2, 2, 3, 20, 64, 6
@@ -66,8 +93,9 @@ def test_precision_errors_equal_brute_force():
         for h in range(K):
             for j, bits in enumerate([8, 4]):
                 f = k[b, h, :L].abs().amax(0).sqrt()  # each key channel's factor
-                kb = dequantize(*quantize(k[b, h, :L] / f, bits), bits) * f
-                vb = dequantize(*quantize(v[b, h, :L], bits), bits)
+                R = sylvester(D)  # rounded rotated, read back rotated back
+                kb = dequantize(*quantize(k[b, h, :L] / f @ R, bits), bits) @ R * f
+                vb = dequantize(*quantize(v[b, h, :L] @ R, bits), bits) @ R
                 if bits == 4:  # the window (quant.windowed: not at 8 bits)
                     kb[L - 4:], vb[L - 4:] = k[b, h, L - 4:L], v[b, h, L - 4:L]
                 total = 0.0
@@ -203,6 +231,28 @@ def test_bytes_held_are_those_reported_and_priced(window):
             else:
                 assert held == [None] * 4
     assert len(seen) > 1
+
+
+@torch.no_grad()
+def test_rounding_errors_weigh_what_the_weight_says(monkeypatch):
+    """The knapsack sees each policy's recovery less ROUNDING_WEIGHT times its
+    rounding error (none at 16 bits); with no weight at all, every head takes
+    a policy at the fewest bits that its bytes allow, here 4 or 8."""
+    model = tiny_model(head_dim=64, dim=128, n_heads=2, n_kv_heads=2, max_seq_len=512)
+    lens = [300, 260]
+    method = Method([p for _ in range(3) for p in MENU], [16] * 4 + [8] * 4 + [4] * 4,
+                    kv_budget=0.3)
+    errors, bits = {}, {}
+    for w in (0.0, 0.25, 1.0):
+        monkeypatch.setattr(cache_module, "ROUNDING_WEIGHT", w)
+        caches = fastgen_caches(model, method, lens, 8, random_flags(256, 2))
+        greedy(model, prompts_of(lens, seed=2), caches, 1)
+        errors[w] = torch.stack([c.errors for c in caches])
+        bits[w] = {g.bits for c in caches for g in c.pool.groups}
+    assert (errors[0.0] == 0).all() and (errors[1.0][..., :4] == 0).all()
+    assert (errors[1.0][..., 4:] > 0).all()
+    torch.testing.assert_close(errors[0.25] * 4, errors[1.0])
+    assert 16 not in bits[0.0]
 
 
 @torch.no_grad()
