@@ -54,8 +54,9 @@ ROWS, SPAN, SCOPE = 32, 16, 6
 # READ_BEFORE before the part it repeats to that part's end (studies/README.md, ask_after).
 READ_SINKS, READ_BEFORE = 4, 1024
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
-# evicts, in the default's recoveries.
-ROUNDING_WEIGHT = 1.0
+# evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
+# evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
+ROUNDING_WEIGHT = 0.25
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
