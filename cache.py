@@ -267,7 +267,7 @@ class FastGenCache(Cache):
             q, k, v = q.reshape(B * K, H // K, R, D), k.reshape(B * K, 1, R, D), v.reshape(
                 B * K, 1, R, D)
             counts, first = (t.repeat_interleave(K) for t in (self.counts, self.read_from))
-            q, (k, v) = self.pool.queries(q), self.pool.keys_values(k, v)  # as the pool holds them
+            q, k, v = (self.pool.turned(x, p) for x, p in ((q, 1), (k, -1), (v, 0)))  # as held
             keys, values = self.pool.kv_pages()
             keys = keys.transpose(1, 2)  # (N, P, D)
             y, got = torch.empty_like(q), []
@@ -279,7 +279,7 @@ class FastGenCache(Cache):
                 y[seg], col = sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
                                    g.block(values)[:, None], reads, counts[seg])
                 got.append(col)
-            y = self.pool.outputs(y).view(B, H, R, D)
+            y = self.pool.turned(y).view(B, H, R, D)
         self.reread = got if self.reread is None else list(map(torch.maximum, self.reread, got))
         self.profile_s += _clock(q.device) - t0
         return y

@@ -10,7 +10,7 @@ allocates about 5% of a full head's bytes.
 Each group stores K and V at its policy's precision (quant.py); the groups of one precision form
 a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
 minima). A rounding part stores keys over their channel factors and both K and V rotated
-(quant.py), and reads them so: `queries` turn a query to them and `outputs` turn the output back.
+(quant.py), and reads them so: `turned` brings a query to them and the output back.
 A part at 4 or 2 bits also keeps each segment's newest WINDOW tokens in 16 bits (its *window*),
 read instead of their codes. `PagedPool` keeps K as pages (N, D, P) and pieces each
 segment's softmax together from its pages; `MaskedPool`, for small unquantized pools attended
@@ -281,38 +281,24 @@ class Pool(nn.Module, abc.ABC):
 
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (N, D, P) and V (N, P, D) of every part, in the model's dtype, as stored: a
-        rounding part's are read by `queries` and give `outputs`."""
+        rounding part's are read by queries, and give outputs, `turned`."""
         k, v = zip(*(self.read(bits) for bits in self.precisions))
         return (k[0], v[0]) if len(k) == 1 else (torch.cat(k), torch.cat(v))
 
-    # --- Rotation: a rounding part's keys over their factors, K and V rotated ------
+    # --- Rotation: a rounding part holds keys over their factors, K and V rotated ----
     def turn(self, x):
         """x (..., D) rotated, or rotated back (the rotation is its own inverse)."""
         return (x.float() @ self.rotation).to(x.dtype)
 
-    def turned(self, x):
-        """x (S, ...) rotated for the segments of a rounding part."""
+    def turned(self, x, power: int = 0):
+        """x (S, ..., D) as a rounding part's segments hold it: times their key factors to
+        `power`, rotated. Queries (1) score stored keys (-1) as they would the keys,
+        q . k = (q f) R . (k / f) R; an output over stored values (0) comes back."""
         if not self.rounds_keys:
             return x
-        return torch.where(self.rotated.view(-1, *[1] * (x.dim() - 1)), self.turn(x), x)
-
-    def queries(self, q):
-        """Queries q (S, ..., D) for the keys as stored: q . k = (q * f) R . (k / f) R."""
-        if not self.rounds_keys:
-            return q
-        f = self.key_factors.view(len(self.dest), *[1] * (q.dim() - 2), -1)
-        return self.turned(q * f.to(q.dtype))
-
-    def keys_values(self, k, v):
-        """Exact k, v (S, ..., D) as the pool stores them before rounding."""
-        if not self.rounds_keys:
-            return k, v
-        f = self.key_factors.view(len(self.dest), *[1] * (k.dim() - 2), -1)
-        return self.turned(k / f.to(k.dtype)), self.turned(v)
-
-    def outputs(self, y):
-        """Outputs y (S, ..., D) over values as stored, turned back."""
-        return self.turned(y)
+        f = self.key_factors.view(len(self.dest), *[1] * (x.dim() - 2), -1).to(x.dtype)
+        rotated = self.rotated.view(-1, *[1] * (x.dim() - 1))
+        return torch.where(rotated, self.turn(x * f ** power), x)
 
     # --- A decode step -----------------------------------------------------------
     def write(self, k, v, pos, flags, slot=None, per: int = 1):
@@ -358,7 +344,7 @@ class Pool(nn.Module, abc.ABC):
         CHUNK_ROWS queries at a time: a chunk's scores would outweigh the cache.
         `self.observed`: each group's last `observe` rows, (n, observe, C), averaged over G."""
         S, G, T, D = q.shape
-        q, y = self.queries(q), q.new_empty(q.shape)
+        q, y = self.turned(q, 1), q.new_empty(q.shape)
         self.observed = []
         keys, values = self.kv_pages()
         keys = keys.transpose(1, 2)  # (N, P, D)
@@ -388,7 +374,7 @@ class Pool(nn.Module, abc.ABC):
             if "last" in self.fields:
                 block = g.block(self.last)
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
-        return self.outputs(y)
+        return self.turned(y)
 
     # --- The window: each 4- or 2-bit segment's newest tokens, also in 16 bits ------
     def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -575,8 +561,8 @@ class PagedPool(Pool):
         self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
 
     def attend(self, q):
-        y, last = paged_attention(self.queries(q), *self.kv_pages(), self.pos < 0, self.owner)
-        return self.outputs(y), last
+        y, last = paged_attention(self.turned(q, 1), *self.kv_pages(), self.pos < 0, self.owner)
+        return self.turned(y), last
 
     def key_pages(self):
         return self.k.transpose(1, 2)
