@@ -38,8 +38,8 @@ import torch._dynamo
 import torch.nn as nn
 
 from kernels import masked_attention, paged_attention, slot_bias
-from quant import (WINDOW, channel_factors, dequantize, hadamard, quantize, rounds, storage_dtype,
-                   windowed)
+from quant import (WINDOW, channel_factors, dequantize, hadamard, quantize, rotate, rounds,
+                   storage_dtype, windowed)
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments in a group,
 # N pages, P slots per page, C slots per segment in a group, M = N * P slots, D head dimension.
@@ -286,19 +286,20 @@ class Pool(nn.Module, abc.ABC):
         return (k[0], v[0]) if len(k) == 1 else (torch.cat(k), torch.cat(v))
 
     # --- Rotation: a rounding part holds keys over their factors, K and V rotated ----
-    def turn(self, x):
-        """x (..., D) rotated, or rotated back (the rotation is its own inverse)."""
-        return (x.float() @ self.rotation).to(x.dtype)
-
     def turned(self, x, power: int = 0):
         """x (S, ..., D) as a rounding part's segments hold it: times their key factors to
         `power`, rotated. Queries (1) score stored keys (-1) as they would the keys,
         q . k = (q f) R . (k / f) R; an output over stored values (0) comes back."""
         if not self.rounds_keys:
             return x
-        f = self.key_factors.view(len(self.dest), *[1] * (x.dim() - 2), -1).to(x.dtype)
-        rotated = self.rotated.view(-1, *[1] * (x.dim() - 1))
-        return torch.where(rotated, self.turn(x * f ** power), x)
+        y = x
+        if power:
+            f = self.key_factors.view(len(self.dest), *[1] * (x.dim() - 2), -1).to(x.dtype)
+            y = x * f if power > 0 else x / f
+        return torch.where(self.rotated.view(-1, *[1] * (x.dim() - 1)), self.turn(y), x)
+
+    def turn(self, x):
+        return rotate(x, self.rotation)  # the matrix at hand: no cache lookup in a compiled step
 
     # --- A decode step -----------------------------------------------------------
     def write(self, k, v, pos, flags, slot=None, per: int = 1):

@@ -71,9 +71,10 @@ def hadamard(D: int, device=None) -> torch.Tensor:
     return torch.block_diag(*[h / math.sqrt(n)] * (D // n)).to(device)
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x (..., D) times `hadamard(D)`, in float32: rotated, or rotated back."""
-    return (x.float() @ hadamard(x.shape[-1], x.device)).to(x.dtype)
+def rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., D) times `hadamard(D)` (or h, the same matrix at hand), in float32: rotated, or
+    rotated back."""
+    return (x.float() @ (hadamard(x.shape[-1], x.device) if h is None else h)).to(x.dtype)
 
 
 def windowed(bits: int | None) -> bool:
