@@ -57,6 +57,11 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
 ROUNDING_WEIGHT = 0.25
+# The newest tokens a 4- or 2-bit head keeps in 16 bits under a budget: the uniform cache's
+# quant.WINDOW (32) cost a head that keeps an eighth of its prompt a third of its bytes; 16 lost
+# 20% less KL at an eighth of the bytes, the same at a quarter and a half (studies/README.md,
+# evaluate, "Precision").
+BUDGET_WINDOW = 16
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
@@ -86,6 +91,8 @@ class Method:
     reread : bool, default False
         profile by the context read again (generation.read_again), for questions asked after
         it: each head is worth the score it keeps, not its squared loss; decoding evicts nothing
+    window : int, optional
+        newest tokens a 4- or 2-bit head also keeps in 16 bits (pool.py); None: quant.WINDOW
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
@@ -96,6 +103,7 @@ class Method:
     weigh_values: bool = False
     evict_every: int | None = None
     reread: bool = False
+    window: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "policies", tuple(self.policies))
@@ -123,7 +131,7 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     policies, bits = at_bits(menu(by="mean"), kv_bits)
     # Read again, neither carries: each token is scored by what copying it took (studies/README.md).
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
-                  weigh_values=not reread, reread=reread)
+                  weigh_values=not reread, reread=reread, window=BUDGET_WINDOW)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
@@ -320,7 +328,7 @@ class FastGenCache(Cache):
                                self.reads_last or any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
                                heads_per_kv=G, eager=self.eager, device=device, bits=self.bits,
-                               ranks=self.ranks)
+                               ranks=self.ranks, window=self.method.window)
         by = torch.tensor(choice, device=device)
         for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
                             seg_first_query=prompt.first_query[:, 0]).items():
@@ -470,7 +478,7 @@ class FastGenCache(Cache):
         D = self.head_dim
         slot = pool.slot_bytes(any(p.reads_last for p in self.policies), self.ranks)
         unit = torch.tensor([token_bytes(b, D) + slot for b in self.bits], device=device)
-        return unit, torch.tensor([window_bytes(b, D) for b in self.bits],
+        return unit, torch.tensor([window_bytes(b, D, self.method.window) for b in self.bits],
                                   device=device), token_bytes(16, D)
 
     @staticmethod
@@ -544,7 +552,7 @@ def decide(caches: list[FastGenCache]):
         q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
         kinds = sorted(set(first.bits))
         errors = precision_errors(q, k, v, first.prompt_lens.repeat(len(caches)), kinds,
-                                  first.method.rows)
+                                  first.method.rows, first.method.window)
         errors = errors[:, [kinds.index(b) for b in first.bits]]  # (L * S, M)
         if first.method.reread:  # shares of the attention, as score: of all the head's
             errors = errors * sums.colsum.sum(1, keepdim=True)

@@ -127,10 +127,11 @@ def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
 
 def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
           page: int, every: int, new: int, heads_per_kv: int, eager: bool, device,
-          bits: list | None = None, ranks: bool = True) -> Pool:
+          bits: list | None = None, ranks: bool = True, window: int | None = None) -> Pool:
     """A pool laid out on the host from each segment's policy index, kept tokens and `growth`;
     `bits`: each policy's precision (None: the model's dtype); `ranks`: whether any policy may
-    rank its slots (else no score and no flags are kept: a cache that keeps all, in fewer bits).
+    rank its slots (else no score and no flags are kept: a cache that keeps all, in fewer bits);
+    `window`: the newest tokens a 4- or 2-bit part also keeps in 16 bits (None: WINDOW).
     A group gets room for the tokens until the first eviction, plus what the budget charged its
     policy for the `new` tokens (a quarter of its width at most, as in `grow`): a group of heads
     that keep all never grows."""
@@ -156,16 +157,18 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     slots = sum(len(g.rows) * g.pages for g in groups) * page
     masked = eager and len(precisions) == 1 and not rounds(precisions[0]) and attends_masked(
         len(choice), heads_per_kv, slots)
-    return (MaskedPool if masked else PagedPool)(groups, page, every, fields, len(choice), device)
+    return (MaskedPool if masked else PagedPool)(groups, page, every, fields, len(choice), device,
+                                                 WINDOW if window is None else window)
 
 
 class Pool(nn.Module, abc.ABC):
     """One layer's pool of pages; the layouts say how K is stored, written and attended."""
 
     def __init__(self, groups: list[Group], page: int, every: int, fields: dict, segments: int,
-                 device):
+                 device, window: int = WINDOW):
         super().__init__()
         self.groups, self.page, self.every, self.fields = groups, page, every, fields
+        self.window_size = window  # a 4- or 2-bit part's newest tokens in 16 bits
         self.n_growths = 0
         self.cursor = Cursor()
         # The slot each segment writes its next token to, and its next free slots.
@@ -240,7 +243,7 @@ class Pool(nn.Module, abc.ABC):
                 self.register_buffer(name, t, persistent=False)
             if windowed(bits):  # the window starts with the newest tokens kept of the prompt
                 segs, slots = self.rows_of(bits)
-                width = min(WINDOW, slots.shape[1])  # no wider than a segment's row
+                width = min(self.window_size, slots.shape[1])  # no wider than a segment's row
                 for name, t in zip(window(bits), self.window_entries(len(segs), width, k)):
                     self.register_buffer(name, t, persistent=False)
                 at = slots.clamp(min=0)

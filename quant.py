@@ -143,8 +143,9 @@ def token_bytes(bits: int, head_dim: int, group: int = GROUP) -> int:
     return 2 * (head_dim * bits // 8 + 2 * 2 * (head_dim // math.gcd(group, head_dim)))
 
 
-def window_bytes(bits: int, head_dim: int) -> int:
-    """Bytes a head's window takes at `bits`: WINDOW keys and values in 16
-    bits, each entry's position (int32) and slot (int64); none where it
-    keeps no window (`windowed`)."""
-    return WINDOW * (token_bytes(16, head_dim) + 4 + 8) if windowed(bits) else 0
+def window_bytes(bits: int, head_dim: int, window: int | None = None) -> int:
+    """Bytes a head's window takes at `bits`: `window` (None: WINDOW) keys and
+    values in 16 bits, each entry's position (int32) and slot (int64); none
+    where it keeps no window (`windowed`)."""
+    width = WINDOW if window is None else window
+    return width * (token_bytes(16, head_dim) + 4 + 8) if windowed(bits) else 0

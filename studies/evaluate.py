@@ -513,7 +513,8 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
          window: int | None = None) -> dict:
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics). `window`: the newest
-    tokens a rounding head keeps in 16 bits, instead of quant.WINDOW."""
+    tokens a rounding head keeps in 16 bits, instead of quant.WINDOW and, under
+    a budget, cache.BUDGET_WINDOW."""
     import time
 
     from model import load_model
@@ -529,11 +530,13 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     if threads:
         torch.set_num_threads(threads)
     if window is not None:  # where the cache, its pricing and its errors read it
+        import cache
         import pool
         import profiling
         import quant
         for module in (pool, profiling, quant):
             module.WINDOW = window
+        cache.BUDGET_WINDOW = window
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model, tok = load_model(ckpt), Tokenizer(ckpt)
@@ -646,7 +649,8 @@ def parse_args(argv=None):
                    "machine shared with other jobs, 1 avoids threads waiting on each other: a "
                    "decode step is thousands of small ops")
     p.add_argument("--window", type=int, help="newest tokens a rounding head keeps in 16 bits "
-                   "(default: quant.WINDOW, 32); 0 keeps none")
+                   "(default: quant.WINDOW, 32, and cache.BUDGET_WINDOW, 16, under a budget); "
+                   "0 keeps none")
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
     a = p.parse_args(argv)

@@ -203,14 +203,15 @@ def test_full_at_16_bits_matches_the_dense_cache_in_16_bits():
 
 
 @torch.no_grad()
-def test_bytes_held_are_those_reported_and_priced(window):
+@pytest.mark.parametrize("width", [None, 3])
+def test_bytes_held_are_those_reported_and_priced(width, window):
     """A precision menu under a budget: nbytes counts every tensor the cache
     holds, and each part's K and V take token_bytes a slot, the price the
-    budget pays."""
+    budget pays; a 4-bit head's window is the method's (None: WINDOW) wide."""
     model = tiny_model(head_dim=64, dim=128, n_heads=2, n_kv_heads=2)
     lens = [60, 45]
     method = Method([p for _ in range(3) for p in MENU], [16] * 4 + [8] * 4 + [4] * 4,
-                    kv_budget=0.3)
+                    kv_budget=0.3, window=width)
     caches = fastgen_caches(model, method, lens, 8, random_flags(256, 2))
     greedy(model, prompts_of(lens, seed=2), caches, 8)
     seen = set()
@@ -227,7 +228,8 @@ def test_bytes_held_are_those_reported_and_priced(window):
             held = [getattr(p, name, None) for name in pool.window(bits)]
             if bits == 4:  # priced as held (quant.window_bytes)
                 segments = len(p.rows_of(bits)[0])
-                assert sum(t.nbytes for t in held) == segments * quant.window_bytes(4, 64)
+                assert held[0].shape[1] == (width or 5)  # the fixture's WINDOW
+                assert sum(t.nbytes for t in held) == segments * quant.window_bytes(4, 64, width)
             else:
                 assert held == [None] * 4
     assert len(seen) > 1
