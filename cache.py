@@ -58,8 +58,8 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
 ROUNDING_WEIGHT = 0.25
 # The newest tokens a 4- or 2-bit head keeps in 16 bits under a budget: the uniform cache's
-# quant.WINDOW (32) cost a head that keeps an eighth of its prompt a third of its bytes; 16 lost
-# 20% less KL at an eighth of the bytes, the same at a quarter and a half (studies/README.md,
+# quant.WINDOW (32) takes a third of what a head gets at an eighth of a 16-bit head's bytes; 16
+# lost 18-21% less KL there, about the same at a quarter and a half (studies/README.md,
 # evaluate, "Precision").
 BUDGET_WINDOW = 16
 

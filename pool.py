@@ -11,11 +11,11 @@ Each group stores K and V at its policy's precision (quant.py); the groups of on
 a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
 minima). A rounding part stores keys over their channel factors and both K and V rotated
 (quant.py), and reads them so: `turned` brings a query to them and the output back.
-A part at 4 or 2 bits also keeps each segment's newest WINDOW tokens in 16 bits (its *window*),
-read instead of their codes. `PagedPool` keeps K as pages (N, D, P) and pieces each
-segment's softmax together from its pages; `MaskedPool`, for small unquantized pools attended
-eagerly, keeps K as one (D, N * P) and attends every query to every slot, kept to its own by a
-bias. The interface the cache uses, one layer at a time:
+A part at 4 or 2 bits also keeps each segment's newest tokens in 16 bits (its *window*, as
+wide as the method says, quant.WINDOW if it does not), read instead of their codes. `PagedPool`
+keeps K as pages (N, D, P) and pieces each segment's softmax together from its pages;
+`MaskedPool`, for small unquantized pools attended eagerly, keeps K as one (D, N * P) and
+attends every query to every slot, kept to its own by a bias. The interface the cache uses, one layer at a time:
 
     build(...)          lay a pool out for what each segment keeps of its prompt
     fill_from_prompt    fill the pools of several layers from their prompts

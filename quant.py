@@ -30,7 +30,8 @@ A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 16
 bits (pool.py's window), as KIVI and HF transformers' quantized cache do:
 the newest tokens draw the most attention, and a token written leaves the
 window when WINDOW newer ones came. Its bytes are counted and priced
-(`window_bytes`).
+(`window_bytes`). Under a budget, where a head may keep an eighth of its
+prompt, the window is narrower (cache.BUDGET_WINDOW).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.
@@ -48,7 +49,8 @@ import torch
 GROUP = 32
 BITS = (16, 8, 4, 2)
 # Newest tokens a rounding head also keeps in 16 bits (pool.window), chosen by
-# KL per byte of the uniform 4-bit cache (studies/README.md, quant_grouping).
+# KL per byte of the uniform 4-bit cache (studies/README.md, quant_grouping);
+# a method may take another (cache.Method.window).
 WINDOW = 32
 
 
