@@ -57,10 +57,10 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
 ROUNDING_WEIGHT = 0.25
-# The newest tokens a 4- or 2-bit head keeps in 16 bits under a budget: the uniform cache's
-# quant.WINDOW (32) takes a third of what a head gets at an eighth of a 16-bit head's bytes; 16
-# lost 18-21% less KL there, about the same at a quarter and a half (studies/README.md,
-# evaluate, "Precision").
+# The newest tokens a 4- or 2-bit head keeps in 16 bits under the default's budget: the uniform
+# cache's quant.WINDOW (32) takes a third of what a head gets at an eighth of a 16-bit head's
+# bytes; 16 lost 18-21% less KL there, about the same at a quarter and a half
+# (studies/README.md, evaluate, "Precision").
 BUDGET_WINDOW = 16
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
@@ -129,9 +129,10 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
 def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
     """FastGen's default: the menu under a byte budget, heavy hitters by mean attention."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
-    # Read again, neither carries: each token is scored by what copying it took (studies/README.md).
+    # Read again, neither carries: each token is scored by what copying it took, and the window
+    # stays quant.WINDOW: 16 found one needle fewer in 32 (studies/README.md, ask_after).
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
-                  weigh_values=not reread, reread=reread, window=BUDGET_WINDOW)
+                  weigh_values=not reread, reread=reread, window=None if reread else BUDGET_WINDOW)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
