@@ -72,9 +72,9 @@ class Config:
 def configs(budgets, paper_thresholds=(), kinds=None, precision=False) -> list[Config]:
     """The full cache; FastGen as the paper states it (threshold T) and the
     default (a budget); the fixed policies at each budget; with `precision`,
-    the default choosing among 16, 8 and 4 bits and at 16, 8 or 4 bits alone, the full
-    cache at 8, 4 and 2 bits, and h2o and SnapKV at 16, 8 and 4 bits (a
-    family per precision: `h2o@4`)."""
+    the default choosing among 16, 8 and 4 bits (or 16, 8, 4 and 2) and at
+    16, 8 or 4 bits alone, the full cache at 8, 4 and 2 bits, and h2o and
+    SnapKV at 16, 8 and 4 bits (a family per precision: `h2o@4`)."""
     out = [Config("full", "full", {})]
     out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
             for t in paper_thresholds]
@@ -83,7 +83,7 @@ def configs(budgets, paper_thresholds=(), kinds=None, precision=False) -> list[C
     if precision:
         out += [Config(f"fastgen-budget@{'/'.join(map(str, bits))} b={b:g}", "fastgen",
                        {"kv_budget": b, "kv_bits": bits})
-                for bits in ((16, 8, 4), (16,), (8,), (4,)) for b in budgets]
+                for bits in ((16, 8, 4), (16, 8, 4, 2), (16,), (8,), (4,)) for b in budgets]
         out += [Config(f"full@{q}", "full", {"kv_bits": (q,)}) for q in (8, 4, 2)]
         out += [Config(f"{kind}@{q} b={b:g}", kind, {"kv_budget": b, "kv_bits": (q,)})
                 for kind in ("h2o", "snapkv") for q in (16, 8, 4) for b in budgets]
