@@ -15,7 +15,8 @@ A part at 4 or 2 bits also keeps each segment's newest tokens in 16 bits (its *w
 wide as the method says, quant.WINDOW if it does not), read instead of their codes. `PagedPool`
 keeps K as pages (N, D, P) and pieces each segment's softmax together from its pages;
 `MaskedPool`, for small unquantized pools attended eagerly, keeps K as one (D, N * P) and
-attends every query to every slot, kept to its own by a bias. The interface the cache uses, one layer at a time:
+attends every query to every slot, kept to its own by a bias. The interface the cache uses,
+one layer at a time:
 
     build(...)          lay a pool out for what each segment keeps of its prompt
     fill_from_prompt    fill the pools of several layers from their prompts
@@ -165,7 +166,7 @@ class Pool(nn.Module, abc.ABC):
     """One layer's pool of pages; the layouts say how K is stored, written and attended."""
 
     def __init__(self, groups: list[Group], page: int, every: int, fields: dict, segments: int,
-                 device, window: int = WINDOW):
+                 device, window: int):
         super().__init__()
         self.groups, self.page, self.every, self.fields = groups, page, every, fields
         self.window_size = window  # a 4- or 2-bit part's newest tokens in 16 bits
