@@ -566,8 +566,16 @@ class PagedPool(Pool):
         self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
 
     def attend(self, q):
-        y, last = paged_attention(self.turned(q, 1), *self.kv_pages(), self.pos < 0, self.owner)
-        return self.turned(y), last
+        # Part by part: a segment's pages are all in its part, so each part's output is whole
+        # for its segments and zero for the rest. Joining the parts' K and V first would copy
+        # them all again each step.
+        q, y, last, empty, first = self.turned(q, 1), 0, [], self.pos < 0, 0
+        for bits in self.precisions:
+            k, v = self.read(bits)
+            at = slice(first, first + len(v))  # sizes from the tensors: growth needs no new graph
+            y_part, last_part = paged_attention(q, k, v, empty[at], self.owner[at])
+            y, last, first = y + y_part, last + [last_part], first + len(v)
+        return self.turned(y), last[0] if len(last) == 1 else torch.cat(last)
 
     def key_pages(self):
         return self.k.transpose(1, 2)

@@ -122,12 +122,16 @@ def dequantize(codes, scale, low, bits: int, dtype=torch.float32) -> torch.Tenso
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., D) codes below 2**bits as (..., D * bits // 8) bytes, the first code lowest."""
+    """(..., D) codes below 2**bits as (..., D * bits // 8) bytes, in planes: byte j holds
+    codes j, j + D / per, j + 2 D / per, ... (per = 8 // bits), the first lowest. Read
+    back, each plane is a contiguous run of codes, one shift and mask of every byte:
+    compiled, 4-bit keys and values dequantize 4.3 times as fast as from neighbouring
+    codes sharing a byte (studies/README.md, bench)."""
     per = 8 // bits
     if per == 1:
         return codes
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes.view(*codes.shape[:-1], -1, per) << shifts).sum(-1, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)[:, None]
+    return (codes.view(*codes.shape[:-1], per, -1) << shifts).sum(-2, dtype=torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -135,7 +139,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     # A shift by a number, not by a tensor of shifts: a quarter faster on CPU at 4 bits, half at 2.
     mask = (1 << bits) - 1
-    return torch.stack([packed >> s & mask for s in range(0, 8, bits)], -1).flatten(-2)
+    return torch.stack([packed >> s & mask for s in range(0, 8, bits)], -2).flatten(-2)
 
 
 def token_bytes(bits: int, head_dim: int, group: int = GROUP) -> int:
