@@ -50,6 +50,17 @@ def test_packing_is_undone_exactly(bits):
     assert torch.equal(unpack(packed, bits), codes)
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_codes_are_packed_in_planes(bits):
+    # Byte j holds codes j, j + D / per, ...: each plane a contiguous run, the first lowest.
+    per, D = 8 // bits, 64
+    codes = torch.randint(0, 1 << bits, (3, D), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    for i in range(per):
+        plane = codes[:, i * D // per:(i + 1) * D // per]
+        assert torch.equal(packed >> (i * bits) & ((1 << bits) - 1), plane)
+
+
 def test_a_constant_group_rounds_to_itself():
     x = torch.full((2, 64), 3.25)
     assert torch.equal(dequantize(*quantize(x, 4), 4), x)
