@@ -1,13 +1,17 @@
-"""How fast a decode step reads rounded keys and values back: `quant.dequantize`
-against the 16-bit cache's cast, eager and compiled, and the byte layout it
-replaced (neighbouring codes sharing a byte, up to cd0a573).
+"""How fast a compiled decode step reads rounded keys and values back:
+`quant.dequantize` against the 16-bit cache's cast, and the byte layouts and
+unpacking it replaced (neighbouring codes sharing a byte, up to cd0a573; planes
+unpacked by stacking them, up to b8fe648).
 
     python -m studies.dequant_speed                     # 1560 pages of 32 tokens, D = 64
     python -m studies.dequant_speed --pages 780 --threads 2
 
 The shape is one layer's 4-bit part at 2k x 8 tokens (SmolLM2-135M, 3 KV heads):
 every number a decode step attends is read back to float32 once per step.
-Milliseconds per read of one tensor (K or V), the median of --reps.
+Milliseconds per read of one tensor (K or V), the median of --reps. Compiled
+only: eager, each read allocates a fresh 12.8 MB output, and its page faults
+swung the same read from 3 to 20 ms between runs (the bench's eager rows
+measure eager decode).
 """
 from __future__ import annotations
 
@@ -29,6 +33,12 @@ def neighbours_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def neighbours_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
     return (codes.view(*codes.shape[:-1], -1, 8 // bits) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def planes_stacked(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Planes, unpacked by stacking each plane's shift and mask (up to b8fe648)."""
+    mask = (1 << bits) - 1
+    return torch.stack([packed >> s & mask for s in range(0, 8, bits)], -2).flatten(-2)
 
 
 def dequantize_with(unpack, codes, scale, low, bits):
@@ -69,15 +79,17 @@ def main(argv=None):
             c = neighbours_pack(quant.unpack(codes, bits), bits)
             assert torch.equal(dequantize_with(neighbours_unpack, c, scale, low, bits),
                                quant.dequantize(codes, scale, low, bits))
+            rows[f"{bits} bits: planes, always stacked (b8fe648)"] = (
+                lambda c=codes, s=scale, m=low, b=bits: dequantize_with(planes_stacked, c, s, m, b))
             rows[f"{bits} bits: neighbours (replaced)"] = (
                 lambda c=c, s=scale, m=low, b=bits: dequantize_with(neighbours_unpack, c, s, m, b))
     print(f"{args.pages} x {args.page} tokens x {args.head_dim}, {args.threads} thread(s), "
           f"torch {torch.__version__}; ms a read, median of {args.reps}")
-    print("| read | eager | compiled |\n|---|---|---|")
+    print("| read | compiled |\n|---|---|")
     for name, f in rows.items():
+        torch._dynamo.reset()  # each read compiled for its own shapes, as a decode step is
         compiled = torch.compile(f, fullgraph=True)
-        print(f"| {name} | {median_ms(f, args.reps):.2f} | {median_ms(compiled, args.reps):.2f} |",
-              flush=True)
+        print(f"| {name} | {median_ms(compiled, args.reps):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,14 @@ def test_codes_are_packed_in_planes(bits):
         assert torch.equal(packed >> (i * bits) & ((1 << bits) - 1), plane)
 
 
+def test_compiled_unpacking_equals_eager():
+    # Compiled, 4 bits unpack by another route (quant.unpack): the same codes.
+    packed = torch.randint(0, 256, (3, 5, 32), dtype=torch.uint8)
+    compiled = torch.compile(unpack, backend="eager", fullgraph=True)
+    for bits in (8, 4, 2):
+        assert torch.equal(compiled(packed, bits), unpack(packed, bits))
+
+
 def test_a_constant_group_rounds_to_itself():
     x = torch.full((2, 64), 3.25)
     assert torch.equal(dequantize(*quantize(x, 4), 4), x)
