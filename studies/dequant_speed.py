@@ -66,6 +66,12 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=30, help="timed reads, the median reported (default 30)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
+    for name in ("pages", "page", "reps", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.head_dim < 8 or args.head_dim % 8:
+        p.error(f"--head-dim must be a positive multiple of 8 (2-bit codes pack 4 a byte), "
+                f"got {args.head_dim}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.pages, args.page, args.head_dim)
