@@ -275,16 +275,17 @@ def peak_mib(t: dict) -> str:
     return "n/a" if peak is None else f"{peak / 2**20:.0f}"
 
 
-def load_pair(ckpt, dtype: str, device: str):
-    """Our model and HF transformers' of the same checkpoint, in `dtype` on `device`."""
+def load_pair(ckpt, dtype: str, device: str, hf: bool = True):
+    """Our model and HF transformers' of the same checkpoint (None if not `hf`), in `dtype` on
+    `device`."""
+    from model import load_model
+    model = load_model(ckpt, DTYPES[dtype], device)
+    if not hf:
+        return model, None
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from model import load_model
     hf_logging.set_verbosity_error()
-    model = load_model(ckpt, DTYPES[dtype], device)
-    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).to(device).eval()
-    return model, hf
+    return model, LlamaForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).to(device).eval()
 
 
 MEMORY_NOTE = {
@@ -349,7 +350,7 @@ def bench(args) -> str:
     from tokenizer import Tokenizer, TokenizerError
 
     torch.set_num_threads(args.threads)
-    model, hf = load_pair(args.ckpt, args.dtype, args.device)
+    model, hf = load_pair(args.ckpt, args.dtype, args.device, args.hf)
     if args.prompt_len + args.new_tokens > model.args.max_seq_len:
         raise gen.UsageError(
             f"--prompt-len {args.prompt_len} plus --new-tokens {args.new_tokens} exceeds the "
@@ -371,7 +372,7 @@ def bench(args) -> str:
     context = args.prompt_len + args.new_tokens / 2  # tokens attended, mean over the steps
     roofline = lambda B: B * bw * 1e9 / (w_bytes + B * kv_token * context)
 
-    configs = [("transformers", "", False)] + [
+    configs = [("transformers", "", False)] * args.hf + [
         ("ours", kv, comp) for comp in args.compiled for kv in args.kv]
 
     def run(impl, kv, comp, prompts, new_tokens):
@@ -380,7 +381,7 @@ def bench(args) -> str:
         return time_ours(model, prompts, new_tokens, cache_options(kv), comp, flags,
                          args.compile_options)
 
-    rows = []
+    rows, hf_speed = [], None
     bar = tqdm(total=len(args.batch) * len(configs) * args.runs, desc="bench", unit="run")
     for B in args.batch:
         prompts = all_prompts[:B]
@@ -416,8 +417,8 @@ def bench(args) -> str:
                 kv_mib += f" ({ts[-1]['kv'] / ts[-1]['full_kv']:.0%})"
             rows.append([f"{impl} {kv}".strip(), B, "yes" if comp else "no",
                          f"{m['prefill']:.1f}", f"{m['decode']:.2f}",
-                         f"{m['prefill'] / hf_speed['prefill']:.2f}x",
-                         f"{m['decode'] / hf_speed['decode']:.2f}x",
+                         *(f"{m[k] / hf_speed[k]:.2f}x" if hf_speed else "—"
+                           for k in ("prefill", "decode")),
                          f"{m['decode'] / roofline(B):.1%}", kv_mib,
                          f"{compile_s[impl, kv, comp]:.1f}" if comp else "",
                          peak_mib(ts[-1]), f"{m['cpu']:.0%}"])
@@ -492,6 +493,8 @@ def parse_args(argv=None):
                    help="GiB copied to measure the bandwidth (default 1)")
     p.add_argument("--idle-wait", type=float, default=300, help="before each run, wait up "
                    "to this many seconds for other processes to leave the CPUs (default 300)")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF transformers "
+                   "(its columns read —): at 2k x 8 its eager run takes most of a bench")
     p.add_argument("--quick", action="store_true", help="smoke test: prompt 32, 8 new tokens, "
                    "batch 1, 1 run, no compiled rows unless --compile says, 64 MiB bandwidth copy")
     p.add_argument("--out", help="also write the markdown report to this file")

@@ -58,3 +58,14 @@ def test_kv_specs_name_a_cache_or_fail_in_one_line(tiny_ckpt):
     r = bench("--ckpt", str(tiny_ckpt), "--quick", "--kv", "h2o@16/8")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--kv h2o@16/8: several --kv-bits" in r.stderr.strip().splitlines()[-1]
+
+
+def test_bench_without_hf_has_our_rows_only(tiny_ckpt, tmp_path):
+    out = tmp_path / "bench.md"
+    r = bench("--quick", "--ckpt", tiny_ckpt, "--threads", 1, "--no-hf", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.strip("|").split("|") for line in out.read_text().splitlines()
+            if line.startswith("| ours")]
+    assert [r[0].strip() for r in rows] == ["ours full", "ours fastgen"]
+    assert all(c.strip() == "—" for r in rows for c in r[5:7])  # no HF to compare with
+    assert "transformers" not in out.read_text().split("| impl")[1]
