@@ -39,7 +39,7 @@ from policies import Full, Policy, Slots, baseline, menu, shortlist
 from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
                        precision_errors, prompt_slots, recoveries, reread_profile, reread_sums,
                        squared_losses, weigh)
-from quant import rounds, token_bytes, window_bytes
+from quant import WINDOW, rounds, token_bytes, window_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
@@ -57,15 +57,20 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
 ROUNDING_WEIGHT = 0.25
-# The newest tokens a 4- or 2-bit head keeps in 16 bits under the default's budget: the uniform
-# cache's quant.WINDOW (32) takes a third of what a head gets at an eighth of a 16-bit head's
-# bytes; 16 lost 18-21% less KL there, about the same at a quarter and a half
-# (studies/README.md, evaluate, "Precision").
-BUDGET_WINDOW = 16
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
               "out the slots the step writes to)")
+
+
+def budget_window(kv_budget: float) -> int:
+    """The newest tokens a 4- or 2-bit head keeps in 16 bits under the default's budget: 64
+    times the budget, from 8 to quant.WINDOW (32), about the same share of a head's bytes at
+    every budget. quant.WINDOW takes a third of what a head gets at an eighth of a 16-bit
+    head's bytes on 832 tokens; there 8 lost 2-11% less KL than 16 on three texts, 16 at a
+    quarter kept top-1 where 8 lowered it, and 32 at a half lost less than 16
+    (studies/README.md, evaluate, "Precision")."""
+    return min(WINDOW, max(8, round(64 * kv_budget)))
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     # Read again, neither carries: each token is scored by what copying it took, and the window
     # stays quant.WINDOW: 16 found one needle fewer in 32 (studies/README.md, ask_after).
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
-                  weigh_values=not reread, reread=reread, window=None if reread else BUDGET_WINDOW)
+                  weigh_values=not reread, reread=reread, window=None if reread else budget_window(kv_budget))
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:

@@ -30,8 +30,9 @@ A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 16
 bits (pool.py's window), as KIVI and HF transformers' quantized cache do:
 the newest tokens draw the most attention, and a token written leaves the
 window when WINDOW newer ones came. Its bytes are counted and priced
-(`window_bytes`). Under a budget, where a head may keep an eighth of its
-prompt, the window is narrower (cache.BUDGET_WINDOW).
+(`window_bytes`). Under a budget it takes about the same share of a head's
+bytes at every budget: 64 times the budget, from 8 to WINDOW
+(cache.budget_window).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.

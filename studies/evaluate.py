@@ -514,7 +514,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     """Run both tasks over every configuration; write OUT.md, OUT.json, OUT.png
     and return the rows (configuration name -> metrics). `window`: the newest
     tokens a rounding head keeps in 16 bits, instead of quant.WINDOW and, under
-    a budget, cache.BUDGET_WINDOW."""
+    a budget, cache.budget_window's."""
     import time
 
     from model import load_model
@@ -536,7 +536,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
         import quant
         for module in (pool, profiling, quant):
             module.WINDOW = window
-        cache.BUDGET_WINDOW = window
+        cache.budget_window = lambda kv_budget: window
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model, tok = load_model(ckpt), Tokenizer(ckpt)
@@ -649,8 +649,8 @@ def parse_args(argv=None):
                    "machine shared with other jobs, 1 avoids threads waiting on each other: a "
                    "decode step is thousands of small ops")
     p.add_argument("--window", type=int, help="newest tokens a rounding head keeps in 16 bits "
-                   "(default: quant.WINDOW, 32, and cache.BUDGET_WINDOW, 16, under a budget); "
-                   "0 keeps none")
+                   "(default: quant.WINDOW, 32, and under a budget cache.budget_window, 64 x the "
+                   "budget from 8 to 32); 0 keeps none")
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
     a = p.parse_args(argv)
