@@ -137,7 +137,8 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     # Read again, neither carries: each token is scored by what copying it took, and the window
     # stays quant.WINDOW: 16 found one needle fewer in 32 (studies/README.md, ask_after).
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
-                  weigh_values=not reread, reread=reread, window=None if reread else budget_window(kv_budget))
+                  weigh_values=not reread, reread=reread,
+                  window=None if reread else budget_window(kv_budget))
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
