@@ -248,17 +248,6 @@ class FastGenCache(Cache):
         """Attend over the prompt; hold what `Pending` needs to decide (of q, the rows profiled)."""
         t0 = _clock(q.device)
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
-        import os
-        if os.environ.get("FG_TIE") and not self.method.reread:
-            from kernels import flash_sums as _fs
-            got = _fs(q, k, v, self.prompt_lens)
-            e = got[1] if got else attention_sums(q, k, self.prompt_lens)
-            if self.method.weigh_values:
-                e = weigh(e, v)
-            self.tie = e.colsum / e.rows[:, None].clamp(min=1)
-            if os.environ.get("FG_TIE_SEEN"):
-                n = self.prompt_lens.repeat_interleave(self.n_kv_heads)[:, None]
-                self.tie = e.colsum / (n - torch.arange(e.colsum.shape[1])).clamp(min=1)
         out = None
         # Every row profiled and no band (h2o's): profile now, in prefill's own attention
         # pass where torch allows it (profile_s then counts the attention too).
@@ -331,10 +320,6 @@ class FastGenCache(Cache):
         each policy's recovery, (layers * S, M); None for a single policy (nothing to choose)."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
                               layers, self.method.span)
-        import os
-        if os.environ.get("FG_TIE") and getattr(self, "tie_all", None) is not None:
-            lam = float(os.environ["FG_TIE"])
-            prompt.score = prompt.score + lam * sums.rows[:, None] * self.tie_all
         prompt.keeps_all(self.policies)
         if len(self.policies) == 1:
             return prompt, None
@@ -568,8 +553,6 @@ def decide(caches: list[FastGenCache]):
     if any((c.method, c.max_new_tokens) != (first.method, first.max_new_tokens) for c in caches):
         raise ValueError("decide: the layers' caches must share their method and max_new_tokens")
     sums = profile_layers(caches)
-    if getattr(first, "tie", None) is not None:
-        first.tie_all = torch.cat([c.tie for c in caches])
     prompt, recovery = first.from_sums(sums, first.held[3], layers=len(caches))
     if recovery is not None and first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
