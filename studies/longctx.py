@@ -75,9 +75,11 @@ from studies.textdata import SOURCES, documents, prompts
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 READINGS = ("question_last", "agnostic")
-METHODS = ("full", "fastgen", "fastgen-ask", "fastgen-paper", "local", "sink", "h2o", "tova",
-           "snapkv", "full@4", "fastgen@16/8/4", "fastgen-ask@16/8/4")
 FIXED = ("local", "sink", "h2o", "tova", "snapkv")
+# h2o and snapkv also with keys and values in 8 or 4 bits (their budget a share of the tokens).
+FEWER_BITS = tuple(f"{m}@{b}" for m in ("h2o", "snapkv") for b in (8, 4))
+METHODS = ("full", "fastgen", "fastgen-ask", "fastgen-paper", *FIXED, "full@4", "fastgen@16/8/4",
+           "fastgen-ask@16/8/4", *FEWER_BITS)
 # FastGen's methods under a budget, with their options (with kv_bits, the budget is a share of a
 # 16-bit cache's bytes, not of the tokens).
 FASTGEN = {"fastgen": {}, "fastgen-ask": {"ask_after": True},
@@ -295,6 +297,10 @@ def method_configs(methods, budgets, thresholds) -> list[Config]:
                     for t in thresholds]
         elif m in FIXED:
             out += [Config(f"{m} b={b:g}", m, {"kv_budget": b}) for b in budgets]
+        elif m in FEWER_BITS:
+            kind, bits = m.split("@")
+            out += [Config(f"{m} b={b:g}", kind, {"kv_budget": b, "kv_bits": (int(bits),)})
+                    for b in budgets]
     return out
 
 
@@ -739,8 +745,9 @@ def parse_args(argv=None):
                    help=f"methods, of {' '.join(METHODS)} (default full fastgen snapkv; "
                         "fastgen-paper and h2o read every prompt row, which costs 4x per "
                         "doubling of the length); fastgen-paper runs at --thresholds; full@4, "
-                        "fastgen@16/8/4 and fastgen-ask@16/8/4 store keys and values in fewer "
-                        "bits, the latter two's budget a share of a 16-bit cache's bytes; the "
+                        "fastgen@16/8/4, fastgen-ask@16/8/4, h2o@8/@4 and snapkv@8/@4 store keys "
+                        "and values in fewer bits, the fastgen ones' budget a share of a 16-bit "
+                        "cache's bytes, the others' a share of the tokens; the "
                         "full cache always runs "
                         "(the reference)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9],

@@ -120,10 +120,22 @@ def test_bad_settings_name_the_flag():
     assert longctx.parse_args(["--quick", "--lengths", "256"]).lengths == [256]
 
 
+def test_fixed_policies_in_fewer_bits():
+    got = longctx.method_configs(["h2o@4", "snapkv@8"], [0.25, 0.5], [0.9])
+    assert [(c.name, c.kv, c.options) for c in got[1:]] == [
+        ("h2o@4 b=0.25", "h2o", {"kv_budget": 0.25, "kv_bits": (4,)}),
+        ("h2o@4 b=0.5", "h2o", {"kv_budget": 0.5, "kv_bits": (4,)}),
+        ("snapkv@8 b=0.25", "snapkv", {"kv_budget": 0.25, "kv_bits": (8,)}),
+        ("snapkv@8 b=0.5", "snapkv", {"kv_budget": 0.5, "kv_bits": (8,)})]
+    with pytest.raises(ValueError, match="h2o@2"):
+        longctx.method_configs(["h2o@2"], [0.5], [0.9])
+
+
 @pytest.mark.parametrize("kv, options", [("full", {}), ("fastgen", {"kv_budget": 0.3}),
                                          ("fastgen", {"recovery": 0.9, "paper": True}),
                                          ("h2o", {"kv_budget": 0.4}),
-                                         ("snapkv", {"kv_budget": 0.5})])
+                                         ("snapkv", {"kv_budget": 0.5}),
+                                         ("h2o", {"kv_budget": 0.4, "kv_bits": (4,)})])
 def test_agnostic_replay_equals_the_decode_loop(ckpt, kv, options):
     """Caches built from a slice of the whole prompts' record, then the question
     fed step by step, answer as generation.score does on the contexts alone
