@@ -747,9 +747,8 @@ def parse_args(argv=None):
                         "doubling of the length); fastgen-paper runs at --thresholds; full@4, "
                         "fastgen@16/8/4, fastgen-ask@16/8/4, h2o@8/@4 and snapkv@8/@4 store keys "
                         "and values in fewer bits, the fastgen ones' budget a share of a 16-bit "
-                        "cache's bytes, the others' a share of the tokens; the "
-                        "full cache always runs "
-                        "(the reference)")
+                        "cache's bytes, the others' a share of the tokens; the full cache "
+                        "always runs (the reference)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9],
                    help="recovery thresholds T of fastgen-paper (default 0.9)")
     p.add_argument("--kl-lengths", type=int, nargs="*",
