@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -74,6 +75,63 @@ def scaled_rotated(x, bits, group):
     return rotated(x / c, bits, group) * c
 
 
+def symmetric(x, bits, group):
+    """Per token, a scale and no minimum: 2**bits levels, symmetric about zero (midrise)."""
+    *lead, D = x.shape
+    g = x.float().reshape(*lead, D // group, group)
+    half = ((1 << bits) - 1) / 2
+    scale = (g.abs().amax(-1, keepdim=True) / half).half().float().clamp(min=1e-8)
+    return ((g / scale + half).round().clamp(0, 2 * half) - half).mul(scale).reshape(x.shape)
+
+
+def lloyd(u, levels: int = 16, iters: int = 40) -> torch.Tensor:
+    """A codebook for values in [0, 1], its ends fixed at 0 and 1 (a group's minimum and
+    maximum), its inner levels moved to the mean of what they round (Lloyd's algorithm)."""
+    c = torch.linspace(0, 1, levels)
+    for _ in range(iters):
+        at = torch.bucketize(u, (c[1:] + c[:-1]) / 2)
+        sums = torch.zeros(levels).index_add_(0, at, u)
+        n = torch.zeros(levels).index_add_(0, at, torch.ones_like(u))
+        c[1:-1] = torch.where(n[1:-1] > 0, sums[1:-1] / n[1:-1].clamp(min=1), c[1:-1])
+        c = c.sort().values
+    return c
+
+
+def codebook(x, group, book):
+    """Per token, min-max groups whose codes index `book` (levels in [0, 1]), not even steps."""
+    *lead, D = x.shape
+    g = x.float().reshape(*lead, D // group, group)
+    low = g.amin(-1, keepdim=True).half().float()
+    span = (g.amax(-1, keepdim=True) - low).half().float().clamp(min=1e-8)
+    at = torch.bucketize((g - low) / span, (book[1:] + book[:-1]) / 2)
+    return (book[at] * span + low).reshape(x.shape)
+
+
+def unit_values(x, group):
+    """x's numbers as (x - min) / (max - min) of their groups, flat."""
+    g = x.float().reshape(*x.shape[:-1], -1, group)
+    low = g.amin(-1, keepdim=True)
+    return ((g - low) / (g.amax(-1, keepdim=True) - low).clamp(min=1e-8)).flatten()
+
+
+def as_pool(fn, signs=None):
+    """(keys, values) rounding as the pool stores them (keys' channels scaled, both rotated),
+    with fn rounding the rotated numbers; signs: random signs before the Hadamard matrix."""
+    def turn(D):
+        h = hadamard(D)
+        return h if signs is None else signs[:D, None] * h
+
+    def keys(x, bits, g):
+        c = x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** 0.5
+        r = turn(x.shape[-1])
+        return fn((x / c) @ r, bits, g) @ r.T * c
+
+    def values(x, bits, g):
+        r = turn(x.shape[-1])
+        return fn(x @ r, bits, g) @ r.T
+    return keys, values
+
+
 def per_channel(x, bits, tokens):
     """Groups of `tokens` consecutive tokens for each channel: x (..., T, D)."""
     T = x.shape[-2]
@@ -99,8 +157,39 @@ def errors(q, k, v, kq, vq, rows: int):
                 output=float(((aq @ vq - y).norm(dim=-1) / norm).mean()))
 
 
+# Formats at 4 bits, as the pool stores keys and values, with the newest 32 in 16 bits: the
+# pool's (80 bytes a token and head, 84 with its position) against cheaper ones (72-76 bytes:
+# 0.34 of a 16-bit cache's bytes at 832 tokens, HF's KIVI-style int4's).
+FORMAT_BYTES = {"min-max, groups of 32 (the pool's)": 80, "min-max, groups of 64": 72,
+                "symmetric (scale only), groups of 32": 72,
+                "keys min-max, values symmetric, groups of 32": 76,
+                "min-max, groups of 32, random signs before the rotation": 80,
+                "min-max, groups of 32, a fitted codebook": 80,
+                "min-max, groups of 64, a fitted codebook": 72}
+
+
+def pool_formats(recorders, D: int) -> dict:
+    """FORMAT_BYTES' ways; the codebooks fitted (Lloyd) on a sample of these windows' own
+    rotated keys and values, so an optimistic bound."""
+    gen = torch.Generator().manual_seed(0)
+    signs = torch.where(torch.rand(D, generator=gen) < 0.5, -1.0, 1.0)
+    book = {}
+    for g in (32, 64):
+        u = torch.cat([unit_values(x, g) for r in recorders[::3] for x in (
+            r.qkv[1].float() / r.qkv[1].float().abs().amax(-2, keepdim=True).clamp(
+                min=1e-6) ** 0.5 @ hadamard(D), r.qkv[2].float() @ hadamard(D))])
+        book[g] = lloyd(u[torch.randperm(len(u), generator=gen)[:2_000_000]])
+    minmax, sym = as_pool(per_token), as_pool(symmetric)
+    names = list(FORMAT_BYTES)
+    return {names[0]: (*minmax, 32, 32), names[1]: (*minmax, 64, 32), names[2]: (*sym, 32, 32),
+            names[3]: (minmax[0], sym[1], 32, 32),
+            names[4]: (*as_pool(per_token, signs), 32, 32),
+            names[5]: (*as_pool(lambda x, b, g: codebook(x, g, book[32])), 32, 32),
+            names[6]: (*as_pool(lambda x, b, g: codebook(x, g, book[64])), 64, 32)}
+
+
 def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: int = 768,
-         rows: int = 32, text: str = "pydoc", quick: bool = False) -> dict:
+         rows: int = 32, text: str = "pydoc", quick: bool = False, formats: bool = False) -> dict:
     from convert_gguf import default_checkpoint
     from model import load_model
     from quant import token_bytes
@@ -137,9 +226,12 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
     for w in (0, 32):  # the pool's: keys scaled then rotated, values rotated
         ways["keys scaled then rotated, values rotated, groups of 32"
              + (f", newest {w} in 16 bits" if w else "")] = (scaled_rotated, rotated, 32, w)
+    bits_list, sizes = (8, 4, 2), {}
     table = {}
     with torch.no_grad():
         recorders = record(model, texts)[0]
+        if formats:
+            ways, sizes, bits_list = pool_formats(recorders, D), FORMAT_BYTES, (4,)
         for name, (kfn, vfn, g, exact) in ways.items():
             exact = min(exact, prompt_len // 2)
 
@@ -147,13 +239,13 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
                 y = fn(x, bits, g)
                 y[..., y.shape[-2] - exact:, :] = x[..., x.shape[-2] - exact:, :]
                 return y
-            for bits in (8, 4, 2):
+            for bits in bits_list:
                 sums = dict(key=0.0, value=0.0, output=0.0)
                 for r in recorders:
                     q, k, v = (t.float() for t in r.qkv)
                     e = errors(q, k, v, kept(kfn, k, bits), kept(vfn, v, bits), rows)
                     sums = {n: sums[n] + e[n] / len(recorders) for n in sums}
-                per = token_bytes(bits, D, g)
+                per = sizes.get(name, token_bytes(bits, D, g))
                 per = round((per * (prompt_len - exact) + token_bytes(16, D) * exact) / prompt_len)
                 table[f"{name}, {bits} bits"] = dict(bytes=per, **sums)
     meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine(), windows=windows,
@@ -161,7 +253,8 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
                 runtime_s=round(time.perf_counter() - t0, 1))
     lines = [f"# Grouping of quantized keys and values ({meta['date']}, {meta['machine']})\n",
              f"{windows} windows of {prompt_len} tokens of {text}, the last {rows} queries; "
-             f"runtime {meta['runtime_s']} s. `python -m studies.quant_grouping`\n",
+             f"runtime {meta['runtime_s']} s. `python -m studies.quant_grouping "
+             f"{' '.join(sys.argv[1:])}`\n",
              f"Bytes: one token's key and value in one head (16 bits: {token_bytes(16, D)}).\n",
              "| grouping | bytes | key error | value error | output error |",
              "|---|---:|---:|---:|---:|"]
@@ -183,6 +276,8 @@ if __name__ == "__main__":
     p.add_argument("--rows", type=int, default=32, help="last queries that attend")
     p.add_argument("--text", default="pydoc", help="pydoc, news or usenet")
     p.add_argument("--quick", action="store_true", help="one short window, for the tests")
+    p.add_argument("--formats", action="store_true", help="4-bit formats at fewer bytes than "
+                   "the pool's, stored as it stores them (FORMAT_BYTES), instead of the groupings")
     a = p.parse_args()
     main(out=a.out, windows=a.windows, prompt_len=a.prompt_len, rows=a.rows, text=a.text,
-         quick=a.quick)
+         quick=a.quick, formats=a.formats)
