@@ -107,7 +107,9 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
     """What each layer profiles is the score that the prompt's pieces, each fed
     right after the whole prompt, give it (the most over the pieces): recorded
     from a forward of the prompt then the piece, the piece's rows seeing the
-    prompt's first READ_SINKS tokens and their own part of it with the 3 before."""
+    prompt's first READ_SINKS tokens and their own part of it with the 3 before;
+    or, where more, the attention the prompt's last rows (all 12) gave it, summed
+    over the rows, the mean of the G query heads of its KV head."""
     monkeypatch.setattr(cache, "READ_BEFORE", 3)
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
@@ -139,8 +141,13 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
             p = scores.masked_fill(~sees[T:], -math.inf).softmax(-1)[..., :T]  # (H, R, T)
             rows = slice(layer * k.shape[1], (layer + 1) * k.shape[1])
             want[rows] = torch.maximum(want[rows], norm_of_rows(p, G))
+            if s == 0:  # the prompt's own rows, causal
+                p = (q[0, :, :T] @ k[0, :, :T].repeat_interleave(G, 0).transpose(1, 2)
+                     / math.sqrt(q.shape[-1])).masked_fill(~sees[:T, :T], -math.inf).softmax(-1)
+                want[rows] = torch.maximum(want[rows], p.sum(1).view(-1, G, T).mean(1))
     model.setup_caches(None)
     torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-4)
+    assert (torch.cat(got) > 1).any()  # the last rows' sums outweigh a reading's somewhere
 
 
 def test_ask_after_leaves_the_prompts_logits_and_the_policies():
