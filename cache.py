@@ -19,8 +19,9 @@ policy for every head (`fixed_method`). In the order it runs:
 
 With `Method.reread` (`--ask-after`), deciding waits until the prompt is read again
 (generation.read_again, `FastGenCache.read_again`): the most attention that reading gives each
-prompt token is its score, for questions asked after the prompt, and the knapsack keeps the most
-score over the heads, as KVzip does; a chunk read again chooses again (`choose_from_reading`).
+prompt token is its score, for questions asked after the prompt, or what the prompt's last rows
+gave it, where more, for its continuation; the knapsack keeps the most score over the heads, as
+KVzip does; a chunk read again chooses again (`choose_from_reading`).
 `decide` stacks several layers as one batch (`Pending`): one at a time, their many small
 operations would cost as much as the arithmetic.
 """
@@ -95,7 +96,8 @@ class Method:
         tokens between evictions; None: half a page, at least EVICT_EVERY
     reread : bool, default False
         profile by the context read again (generation.read_again), for questions asked after
-        it: each head is worth the score it keeps, not its squared loss; decoding evicts nothing
+        it, and by its last rows: each head is worth the score it keeps, not its squared loss;
+        decoding evicts nothing
     window : int, optional
         newest tokens a 4- or 2-bit head also keeps in 16 bits (pool.py); None: quant.WINDOW
     """

@@ -298,8 +298,8 @@ def parse_args(argv=None):
     p.add_argument("--ask-after", action="store_true",
                    help="compressed caches: keep what questions asked after the prompt need "
                         "(a chat's next turn, one cache for many questions), found by reading "
-                        "the prompt again: about 2.5x the prefill (default: what the prompt's end "
-                        "asks)")
+                        "the prompt again, besides what its end asks: about 2.5x the prefill "
+                        "(default: what the prompt's end asks alone)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="read each prompt in pieces of N tokens (peak memory follows the cache)")
     p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]",
