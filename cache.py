@@ -591,13 +591,13 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         q, k, v = (torch.cat([c.held[j] for c in group]) for j in range(3))
         lens = first.prompt_lens.repeat(len(group))
         if method.reread:
-            lens = lens.repeat_interleave(first.n_kv_heads)[:, None]  # (S, 1)
-            pos = torch.arange(k.shape[2], device=lens.device).expand(len(lens), -1)
             # A token scores the more of what copying it took and what the prompt's last rows
             # gave it, summed: continuing the prompt reads what they read (a chunk's rows add
             # theirs to the scores, as decoding does).
-            last = attention_sums(q, k, first.prompt_lens.repeat(len(group)), (), method.rows)
-            score = torch.maximum(torch.cat([c.reread[0] for c in group]), last.colsum)
+            last = attention_sums(q, k, lens, (), method.rows).colsum
+            score = torch.maximum(torch.cat([c.reread[0] for c in group]), last)
+            lens = lens.repeat_interleave(first.n_kv_heads)[:, None]  # (S, 1)
+            pos = torch.arange(k.shape[2], device=lens.device).expand(len(lens), -1)
             sums = reread_profile(score, pos, lens, lens, banded(first.policies))
         elif first.every is not None:  # at prefill
             sums = Profile.cat([c.every for c in group])

@@ -295,12 +295,10 @@ def method_configs(methods, budgets, thresholds) -> list[Config]:
         elif m == "fastgen-paper":
             out += [Config(f"fastgen-paper T={t:g}", "fastgen", {"recovery": t, "paper": True})
                     for t in thresholds]
-        elif m in FIXED:
-            out += [Config(f"{m} b={b:g}", m, {"kv_budget": b}) for b in budgets]
-        elif m in FEWER_BITS:
-            kind, bits = m.split("@")
-            out += [Config(f"{m} b={b:g}", kind, {"kv_budget": b, "kv_bits": (int(bits),)})
-                    for b in budgets]
+        elif m in FIXED or m in FEWER_BITS:
+            kind, _, bits = m.partition("@")
+            fewer = {"kv_bits": (int(bits),)} if bits else {}
+            out += [Config(f"{m} b={b:g}", kind, {"kv_budget": b, **fewer}) for b in budgets]
     return out
 
 

@@ -41,11 +41,16 @@ def per_token(x, bits, group):
     return dequantize(*quantize(x, bits, group), bits)
 
 
+def factors(x, alpha=0.5):
+    """Each channel's largest magnitude over the prompt to the power alpha: one factor per
+    channel and head, kept at full precision."""
+    return x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** alpha
+
+
 def smoothed(x, bits, group, alpha=0.5):
-    """Per token, after dividing each channel by its largest magnitude over the
-    prompt to the power alpha (one factor per channel and head, kept at full
-    precision): keys have a few channels far larger than the rest."""
-    c = x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** alpha
+    """Per token, after dividing each channel by its `factors`: keys have a few channels
+    far larger than the rest."""
+    c = factors(x, alpha)
     return per_token(x / c, bits, group) * c
 
 
@@ -67,12 +72,6 @@ def rotated(x, bits, group, rotation="hadamard"):
     (rounded x R, read back times R^T): outlier channels spread over all."""
     r = hadamard(x.shape[-1]) if rotation == "hadamard" else random_rotation(x.shape[-1])
     return per_token(x @ r, bits, group) @ r.T
-
-
-def scaled_rotated(x, bits, group):
-    """As the pool stores keys: each channel scaled (alpha 0.5), then rotated (Hadamard)."""
-    c = x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** 0.5
-    return rotated(x / c, bits, group) * c
 
 
 def symmetric(x, bits, group):
@@ -119,11 +118,10 @@ def as_pool(fn, signs=None):
     with fn rounding the rotated numbers; signs: random signs before the Hadamard matrix."""
     def turn(D):
         h = hadamard(D)
-        return h if signs is None else signs[:D, None] * h
+        return h if signs is None else signs[:, None] * h
 
     def keys(x, bits, g):
-        c = x.abs().amax(-2, keepdim=True).clamp(min=1e-6) ** 0.5
-        r = turn(x.shape[-1])
+        c, r = factors(x), turn(x.shape[-1])
         return fn((x / c) @ r, bits, g) @ r.T * c
 
     def values(x, bits, g):
@@ -175,9 +173,8 @@ def pool_formats(recorders, D: int) -> dict:
     signs = torch.where(torch.rand(D, generator=gen) < 0.5, -1.0, 1.0)
     book = {}
     for g in (32, 64):
-        u = torch.cat([unit_values(x, g) for r in recorders[::3] for x in (
-            r.qkv[1].float() / r.qkv[1].float().abs().amax(-2, keepdim=True).clamp(
-                min=1e-6) ** 0.5 @ hadamard(D), r.qkv[2].float() @ hadamard(D))])
+        u = torch.cat([unit_values(x @ hadamard(D), g) for r in recorders[::3]
+                       for k, v in [(t.float() for t in r.qkv[1:])] for x in (k / factors(k), v)])
         book[g] = lloyd(u[torch.randperm(len(u), generator=gen)[:2_000_000]])
     minmax, sym = as_pool(per_token), as_pool(symmetric)
     names = list(FORMAT_BYTES)
@@ -225,7 +222,7 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
             smoothed, per_token, 32, w)
     for w in (0, 32):  # the pool's: keys scaled then rotated, values rotated
         ways["keys scaled then rotated, values rotated, groups of 32"
-             + (f", newest {w} in 16 bits" if w else "")] = (scaled_rotated, rotated, 32, w)
+             + (f", newest {w} in 16 bits" if w else "")] = (*as_pool(per_token), 32, w)
     bits_list, sizes = (8, 4, 2), {}
     table = {}
     with torch.no_grad():
