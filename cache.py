@@ -19,8 +19,8 @@ policy for every head (`fixed_method`). In the order it runs:
 
 With `Method.reread` (`--ask-after`), deciding waits until the prompt is read again
 (generation.read_again, `FastGenCache.read_again`): the most attention that reading gives each
-prompt token is its score, for questions asked after the prompt, or what the prompt's last rows
-gave it, where more, for its continuation; the knapsack keeps the most score over the heads, as
+prompt token, times READ_WEIGHT, is its score, for questions asked after the prompt, or what the
+prompt's last rows gave it, where more, for its continuation; the knapsack keeps the most score over the heads, as
 KVzip does; a chunk read again chooses again (`choose_from_reading`).
 `decide` stacks several layers as one batch (`Pending`): one at a time, their many small
 operations would cost as much as the arithmetic.
@@ -54,6 +54,10 @@ ROWS, SPAN, SCOPE = 32, 16, 6
 # A piece read again attends to the prompt's first READ_SINKS tokens and to its tokens from
 # READ_BEFORE before the part it repeats to that part's end (studies/README.md, ask_after).
 READ_SINKS, READ_BEFORE = 4, 1024
+# What a reading again gives a token weighs this much against the attention the prompt's last
+# rows (or a chunk's) gave it: 1/4 lowered text KL at a quarter and a half on three texts, keeping
+# the needles asked after; 1 lost the text, 1/16 a needle (studies/README.md, ask_after).
+READ_WEIGHT = 0.25
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
@@ -302,13 +306,13 @@ class FastGenCache(Cache):
         return y
 
     def choose_from_reading(self):
-        """After a reading again: each held token's score is the most any reading gave it;
-        choose again."""
+        """After a reading again: each held token's score is the most any reading gave it,
+        weighed, or what rows gave it while held, where more; choose again."""
         groups, ratios = self.pool.groups, local_ratios(self.policies)
         profiles = []
         for g, got in zip(groups, self.reread):
             score = g.block(self.pool.score)
-            score.copy_(torch.maximum(score, got))
+            score.copy_(torch.maximum(score, got * READ_WEIGHT))
             if "last" in self.pool.fields:  # what TOVA ranks by when it next evicts
                 g.block(self.pool.last).copy_(score)
             s = self.slots(g)
@@ -591,11 +595,11 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         q, k, v = (torch.cat([c.held[j] for c in group]) for j in range(3))
         lens = first.prompt_lens.repeat(len(group))
         if method.reread:
-            # A token scores the more of what copying it took and what the prompt's last rows
-            # gave it, summed: continuing the prompt reads what they read (a chunk's rows add
+            # A token scores the more of what copying it took, weighed, and what the prompt's
+            # last rows gave it, summed: continuing the prompt reads what they read (a chunk's rows add
             # theirs to the scores, as decoding does).
             last = attention_sums(q, k, lens, (), method.rows).colsum
-            score = torch.maximum(torch.cat([c.reread[0] for c in group]), last)
+            score = torch.maximum(torch.cat([c.reread[0] for c in group]) * READ_WEIGHT, last)
             lens = lens.repeat_interleave(first.n_kv_heads)[:, None]  # (S, 1)
             pos = torch.arange(k.shape[2], device=lens.device).expand(len(lens), -1)
             sums = reread_profile(score, pos, lens, lens, banded(first.policies))

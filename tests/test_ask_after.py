@@ -107,8 +107,8 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
     """What each layer profiles is the score that the prompt's pieces, each fed
     right after the whole prompt, give it (the most over the pieces): recorded
     from a forward of the prompt then the piece, the piece's rows seeing the
-    prompt's first READ_SINKS tokens and their own part of it with the 3 before;
-    or, where more, the attention the prompt's last rows (all 12) gave it, summed
+    prompt's first READ_SINKS tokens and their own part of it with the 3 before,
+    times READ_WEIGHT; or, where more, the attention the prompt's last rows (all 12) gave it, summed
     over the rows, the mean of the G query heads of its KV head."""
     monkeypatch.setattr(cache, "READ_BEFORE", 3)
     torch.manual_seed(0)
@@ -140,7 +140,7 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
                 q.shape[-1])
             p = scores.masked_fill(~sees[T:], -math.inf).softmax(-1)[..., :T]  # (H, R, T)
             rows = slice(layer * k.shape[1], (layer + 1) * k.shape[1])
-            want[rows] = torch.maximum(want[rows], norm_of_rows(p, G))
+            want[rows] = torch.maximum(want[rows], norm_of_rows(p, G) * cache.READ_WEIGHT)
             if s == 0:  # the prompt's own rows, causal
                 p = (q[0, :, :T] @ k[0, :, :T].repeat_interleave(G, 0).transpose(1, 2)
                      / math.sqrt(q.shape[-1])).masked_fill(~sees[:T, :T], -math.inf).softmax(-1)
@@ -185,10 +185,15 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
     real = cache.FastGenCache.choose_from_reading
 
     def spy(self):  # what the second chunk, read again, gave each slot, laid out by position
+        held = []
         for g, col in zip(self.pool.groups, self.reread):
             pos = g.block(self.pool.pos).long()
             got.append(torch.zeros(len(col), 20).scatter_add_(1, pos.clamp(min=0), col * (pos >= 0)))
-        return real(self)
+            held.append((g.block(self.pool.score).clone(), col))
+        real(self)
+        for g, (score, col) in zip(self.pool.groups, held):  # the score: weighed, where more
+            torch.testing.assert_close(g.block(self.pool.score),
+                                       torch.maximum(score, col * cache.READ_WEIGHT))
 
     cache.FastGenCache.choose_from_reading = spy
     try:
