@@ -54,9 +54,11 @@ ROWS, SPAN, SCOPE = 32, 16, 6
 # A piece read again attends to the prompt's first READ_SINKS tokens and to its tokens from
 # READ_BEFORE before the part it repeats to that part's end (studies/README.md, ask_after).
 READ_SINKS, READ_BEFORE = 4, 1024
-# What a reading again gives a token weighs this much against the attention the prompt's last
-# rows (or a chunk's) gave it: 1/4 lowered text KL at a quarter and a half on three texts, keeping
-# the needles asked after; 1 lost the text, 1/16 a needle (studies/README.md, ask_after).
+# What reading the prompt again gives a token weighs this much against the attention its last
+# ROWS rows gave it: 1/4 lowered text KL at a quarter and a half on three texts, keeping the
+# needles asked after at 2k; 1 lost the text, 1/16 a needle. A chunk's score sums all its rows,
+# which outweigh a reading already: there it is not weighed, as 1/4 lost every chat recall
+# (studies/README.md, ask_after).
 READ_WEIGHT = 0.25
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
@@ -307,12 +309,12 @@ class FastGenCache(Cache):
 
     def choose_from_reading(self):
         """After a reading again: each held token's score is the most any reading gave it,
-        weighed, or what rows gave it while held, where more; choose again."""
+        not weighed (READ_WEIGHT), or what rows gave it while held, where more; choose again."""
         groups, ratios = self.pool.groups, local_ratios(self.policies)
         profiles = []
         for g, got in zip(groups, self.reread):
             score = g.block(self.pool.score)
-            score.copy_(torch.maximum(score, got * READ_WEIGHT))
+            score.copy_(torch.maximum(score, got))
             if "last" in self.pool.fields:  # what TOVA ranks by when it next evicts
                 g.block(self.pool.last).copy_(score)
             s = self.slots(g)

@@ -191,9 +191,8 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
             got.append(torch.zeros(len(col), 20).scatter_add_(1, pos.clamp(min=0), col * (pos >= 0)))
             held.append((g.block(self.pool.score).clone(), col))
         real(self)
-        for g, (score, col) in zip(self.pool.groups, held):  # the score: weighed, where more
-            torch.testing.assert_close(g.block(self.pool.score),
-                                       torch.maximum(score, col * cache.READ_WEIGHT))
+        for g, (score, col) in zip(self.pool.groups, held):  # the score: not weighed, where more
+            torch.testing.assert_close(g.block(self.pool.score), torch.maximum(score, col))
 
     cache.FastGenCache.choose_from_reading = spy
     try:
