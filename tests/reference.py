@@ -18,11 +18,15 @@ keeps, to break near-ties the way the cache did (`drive` builds the cache).
 from __future__ import annotations
 
 import math
+import sys
 from fractions import Fraction
 
 import pytest
 import torch
 
+import pool
+import profiling
+import quant
 from cache import FastGenCache
 from model import Cache
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
@@ -170,6 +174,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def rotate_in_float64(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    """quant.rotate, the product taken in float64: its float32 result is the same whatever
+    the batch's shape."""
+    h = quant.hadamard(x.shape[-1], x.device) if h is None else h
+    return (x.double() @ h.double()).float().to(x.dtype)
+
+
+@pytest.fixture(autouse=True)
+def rotation_of_fixed_bits(monkeypatch):
+    """The pool rotates whole batches of keys and values before it rounds them, the reference
+    one segment's: a float32 product's last bits depend on the batch's shape in some BLAS
+    builds (MKL on Intel Xeon), and a number on a rounding boundary then takes the next code.
+    The pool, profiling and the reference rotate in float64 here. Modules import this fixture."""
+    for module in (pool, profiling, sys.modules[__name__]):
+        monkeypatch.setattr(module, "rotate", rotate_in_float64)
 
 
 class Reference:

@@ -10,7 +10,7 @@ from generation import CacheOptions, generate, read_again
 from model import ModelArgs, Transformer, reserve
 from kernels import flash_reread_sums
 from profiling import READ_NORM, reread_profile, reread_sums
-from reference import one_thread  # noqa: F401  (autouse fixture)
+from reference import one_thread, rotation_of_fixed_bits  # noqa: F401  (autouse fixtures)
 from studies.evaluate import Recorder
 
 

@@ -16,7 +16,7 @@ from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, S
 from kernels import flash_sums
 from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, local_ratios, prompt_slots,
                        recovery, weigh)
-from reference import one_thread  # noqa: F401  (autouse fixture)
+from reference import one_thread, rotation_of_fixed_bits  # noqa: F401  (autouse fixtures)
 from reference import CheckedCache, brute_recovery, drive, prompt_attention
 
 

@@ -9,7 +9,7 @@ from cache import Method, fastgen_caches
 from model import ModelArgs, Transformer
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       shortlist, token_flags)
-from reference import one_thread  # noqa: F401  (autouse fixture)
+from reference import one_thread, rotation_of_fixed_bits  # noqa: F401  (autouse fixtures)
 from reference import CheckedCache, drive
 
 # Token ids 0-7: four plain, one special, two punctuation, one both.

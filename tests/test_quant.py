@@ -18,7 +18,7 @@ from model import reserve
 from policies import Frequent, Full, Local, Special, baseline
 from profiling import fit_budget, precision_errors
 from quant import GROUP, channel_factors, dequantize, pack, quantize, token_bytes, unpack
-from reference import one_thread  # noqa: F401  (autouse fixture)
+from reference import one_thread, rotation_of_fixed_bits  # noqa: F401  (autouse fixtures)
 from reference import drive
 from test_cache import greedy, prompts_of, random_flags, tiny_model
 
