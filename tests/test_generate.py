@@ -158,3 +158,17 @@ def test_fastgen_modes(tiny_ckpt):
     for recovery in (None, 0.9):
         paper = CacheOptions("fastgen", paper=True, recovery=recovery)
         assert names(main("Hello there", cache=paper, **kw)) <= {repr(p) for p in shortlist()}
+
+
+def test_a_plan_over_the_budget_says_so(tiny_ckpt):
+    """With --ask-after every token generated is kept: a long answer at a small
+    budget leaves every head its cheapest policy, over the budget, and the
+    summary says so and what to change; within the budget it says nothing."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    kw = dict(ckpt=str(tiny_ckpt))
+    over = main(prompt, cache=CacheOptions("fastgen", kv_budget=0.25, ask_after=True),
+                max_new_tokens=64, **kw)
+    assert over.kv_budget == 0.25 and over.planned_share > 0.3
+    assert "over --kv-budget 0.25" in over.summary() and "--max-new-tokens" in over.summary()
+    within = main(prompt, cache=CacheOptions("fastgen", kv_budget=0.5), max_new_tokens=4, **kw)
+    assert within.planned_share <= 0.5 * 1.01 and "over --kv-budget" not in within.summary()
