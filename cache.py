@@ -20,8 +20,8 @@ policy for every head (`fixed_method`). In the order it runs:
 With `Method.reread` (`--ask-after`), deciding waits until the prompt is read again
 (generation.read_again, `FastGenCache.read_again`): the most attention that reading gives each
 prompt token, times READ_WEIGHT, is its score, for questions asked after the prompt, or what the
-prompt's last rows gave it, where more, for its continuation; the knapsack keeps the most score over the heads, as
-KVzip does; a chunk read again chooses again (`choose_from_reading`).
+prompt's last rows gave it, where more, for its continuation; the knapsack keeps the most score
+over the heads, as KVzip does; a chunk read again chooses again (`choose_from_reading`).
 `decide` stacks several layers as one batch (`Pending`): one at a time, their many small
 operations would cost as much as the arithmetic.
 """
@@ -598,8 +598,8 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         lens = first.prompt_lens.repeat(len(group))
         if method.reread:
             # A token scores the more of what copying it took, weighed, and what the prompt's
-            # last rows gave it, summed: continuing the prompt reads what they read (a chunk's rows add
-            # theirs to the scores, as decoding does).
+            # last rows gave it, summed: continuing the prompt reads what they read (a chunk's
+            # rows add theirs to the scores, as decoding does).
             last = attention_sums(q, k, lens, (), method.rows).colsum
             score = torch.maximum(torch.cat([c.reread[0] for c in group]) * READ_WEIGHT, last)
             lens = lens.repeat_interleave(first.n_kv_heads)[:, None]  # (S, 1)

@@ -172,9 +172,10 @@ def pool_formats(recorders, D: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     signs = torch.where(torch.rand(D, generator=gen) < 0.5, -1.0, 1.0)
     book = {}
+    kv = [(r.qkv[1].float(), r.qkv[2].float()) for r in recorders[::3]]
+    turned = [x @ hadamard(D) for k, v in kv for x in (k / factors(k), v)]  # as the pool rounds
     for g in (32, 64):
-        u = torch.cat([unit_values(x @ hadamard(D), g) for r in recorders[::3]
-                       for k, v in [(t.float() for t in r.qkv[1:])] for x in (k / factors(k), v)])
+        u = torch.cat([unit_values(x, g) for x in turned])
         book[g] = lloyd(u[torch.randperm(len(u), generator=gen)[:2_000_000]])
     minmax, sym = as_pool(per_token), as_pool(symmetric)
     names = list(FORMAT_BYTES)
