@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from chat import Chat
 from generation import CacheOptions, flags_of, load
+from studies import output
 from studies.evaluate import machine
 from studies.longctx import Haystack, answer_score, make_cases
 
@@ -78,7 +79,7 @@ def main(argv=None):
               flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(dict(
+    output(out, ".json").write_text(json.dumps(dict(
         command="python -m studies.chat_recall " + " ".join(sys.argv[1:] if argv is None else argv),
         machine=machine(), args=vars(a), rows=rows), indent=1))
 

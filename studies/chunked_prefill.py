@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from model import reserve
 from generation import CacheOptions, flags_of, generate, load, make_caches, prefill_logits
+from studies import output
 from studies.evaluate import answer_ok, machine, passkey_cases
 from studies.textdata import SOURCES, prompts
 
@@ -155,8 +156,8 @@ def main(argv=None):
                args=dict(vars(a), lengths=lengths), rows=rows, runtime_s=time.time() - t0)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(report(res))
+    output(out, ".json").write_text(json.dumps(res, indent=1))
+    output(out, ".md").write_text(report(res))
     print(report(res))
     return res
 

@@ -54,6 +54,7 @@ import model as model_module
 from cache import profile_layers
 from generation import CacheOptions, make_caches, read_again
 from model import causal_attention, reserve
+from studies import output
 from studies.textdata import SOURCES
 
 BASELINES = ("local", "sink", "h2o", "tova", "snapkv")
@@ -585,18 +586,18 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
                 text=text, added_rows=add_rows, reference_bits=16 if precision else None)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(report(rows, meta, peer_error))
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    plot(rows, out.with_suffix(".png"))
+    output(out, ".md").write_text(report(rows, meta, peer_error))
+    output(out, ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    plot(rows, output(out, ".png"))
     return rows
 
 
 def render(out: str) -> dict:
     """Write OUT.md and OUT.png again from OUT.json (after a change to the report)."""
     out = Path(out)
-    saved = json.loads(out.with_suffix(".json").read_text())
-    out.with_suffix(".md").write_text(report(saved["rows"], saved["meta"], None))
-    plot(saved["rows"], out.with_suffix(".png"))
+    saved = json.loads(output(out, ".json").read_text())
+    output(out, ".md").write_text(report(saved["rows"], saved["meta"], None))
+    plot(saved["rows"], output(out, ".png"))
     return saved["rows"]
 
 

@@ -70,6 +70,7 @@ from tqdm import tqdm
 from model import reserve
 from generation import CacheOptions, dense_kv_bytes, make_caches
 from studies import evaluate
+from studies import output
 from studies.evaluate import Config
 from studies.textdata import SOURCES, documents, prompts
 
@@ -679,10 +680,10 @@ def save(out, results, kl, raw, tok, hay, meta, chat):
                                                 chat)] for L in results}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta["picture"] = plot(results, out.with_suffix(".png")) or out.with_suffix(".png").name
-    out.with_suffix(".md").write_text(report(results, kl, meta)
+    meta["picture"] = plot(results, output(out, ".png")) or output(out, ".png").name
+    output(out, ".md").write_text(report(results, kl, meta)
                                       + "".join(f"\nNote: {n}.\n" for n in meta["notes"]))
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results, text=kl,
+    output(out, ".json").write_text(json.dumps(dict(meta=meta, results=results, text=kl,
                                                         cases=raw), indent=1))
     return meta
 

@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from studies import output
+
 NEW_TOKENS = 4
 
 
@@ -219,9 +221,9 @@ def main(argv=None):
     res["runtime_s"] = time.time() - t0
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(report(res))
-    plot(res, out.with_suffix(".png"))
+    output(out, ".json").write_text(json.dumps(res, indent=1))
+    output(out, ".md").write_text(report(res))
+    plot(res, output(out, ".png"))
     print(report(res))
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from quant import dequantize, quantize
+from studies import output
 
 
 def per_token(x, bits, group):
@@ -260,8 +261,8 @@ def main(*, out: str = "results/quant/grouping", windows: int = 4, prompt_len: i
               for n, r in table.items()]
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    path.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=table), indent=1))
+    output(path, ".md").write_text("\n".join(lines) + "\n")
+    output(path, ".json").write_text(json.dumps(dict(meta=meta, rows=table), indent=1))
     print("\n".join(lines))
     return table
 

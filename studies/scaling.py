@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from generate import UsageError
 from generation import CacheOptions, dense_kv_bytes, flags_of
+from studies import output
 from studies.bench import (MEMORY_NOTE, add_device_args, bandwidth_gbs, check_device_args,
                            load_pair, machine_info, time_hf, time_ours, wait_until_idle,
                            weight_bytes)
@@ -367,11 +368,11 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)  # before the hours of measuring, not after
     t0 = time.perf_counter()
     res = measure(args)
-    res["runtime_s"], res["png"] = time.perf_counter() - t0, str(out.with_suffix(".png"))
-    plot(res, out.with_suffix(".png"))
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    res["runtime_s"], res["png"] = time.perf_counter() - t0, str(output(out, ".png"))
+    plot(res, output(out, ".png"))
+    output(out, ".json").write_text(json.dumps(res, indent=1))
     text = report(res)
-    out.with_suffix(".md").write_text(text)
+    output(out, ".md").write_text(text)
     print(text)
     return res
 

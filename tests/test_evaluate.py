@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from generation import CacheOptions, score
 from model import load_model
 from policies import token_flags
-from studies import evaluate
+from studies import evaluate, output
 from tokenizer import Tokenizer
 
 
@@ -35,6 +36,14 @@ def test_quick_run_writes_sane_outputs(tiny_ckpt, tmp_path):
     assert rows["local b=0.3"]["share"] < rows["local b=0.6"]["share"] < 1
     md = (tmp_path / "quality.md").read_text()
     assert "| fastgen-paper T=0.9 |" in md and "Headline" in md
+
+
+def test_out_keeps_the_dots_of_its_name(tmp_path):
+    # Two runs that differ after a dot write two files, not the same x_0.md.
+    assert output(tmp_path / "x_0.25", ".md") == tmp_path / "x_0.25.md"
+    assert output(tmp_path / "x_0.5", ".json") == tmp_path / "x_0.5.json"
+    assert output(tmp_path / "x.md", ".json") == tmp_path / "x.json"
+    assert output("results/q", ".png") == Path("results/q.png")
 
 
 @pytest.mark.parametrize("kv, options", [("fastgen", {"recovery": 0.9, "paper": True}),
