@@ -71,12 +71,12 @@ UNRESERVED = ("a compressed cache's decode step ran without its reservation: cal
 
 
 def budget_window(kv_budget: float) -> int:
-    """The newest tokens a 4- or 2-bit head keeps in 16 bits under the default's budget: 64
+    """The newest tokens a 4- or 2-bit head keeps in 8 bits under the default's budget: 64
     times the budget, from 8 to quant.WINDOW (32), about the same share of a head's bytes at
-    every budget. quant.WINDOW takes a third of what a head gets at an eighth of a 16-bit
-    head's bytes on 832 tokens; there 8 lost 2-11% less KL than 16 on three texts, 16 at a
-    quarter kept top-1 where 8 lowered it, and 32 at a half lost less than 16
-    (studies/README.md, evaluate, "Precision")."""
+    every budget. Chosen with the window in 16 bits, when quant.WINDOW took a third of what a
+    head gets at an eighth of a 16-bit head's bytes on 832 tokens; there 8 lost 2-11% less KL
+    than 16 on three texts, 16 at a quarter kept top-1 where 8 lowered it, and 32 at a half
+    lost less than 16 (studies/README.md, evaluate, "Precision")."""
     return min(WINDOW, max(8, round(64 * kv_budget)))
 
 
@@ -105,7 +105,7 @@ class Method:
         it, and by its last rows: each head is worth the score it keeps, not its squared loss;
         decoding evicts nothing
     window : int, optional
-        newest tokens a 4- or 2-bit head also keeps in 16 bits (pool.py); None: quant.WINDOW
+        newest tokens a 4- or 2-bit head also keeps in 8 bits (pool.py); None: quant.WINDOW
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None

@@ -11,7 +11,7 @@ Each group stores K and V at its policy's precision (quant.py); the groups of on
 a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
 minima). A rounding part stores keys over their channel factors and both K and V rotated
 (quant.py), and reads them so: `turned` brings a query to them and the output back.
-A part at 4 or 2 bits also keeps each segment's newest tokens in 16 bits (its *window*, as
+A part at 4 or 2 bits also keeps each segment's newest tokens in 8 bits (its *window*, as
 wide as the method says, quant.WINDOW if it does not), read instead of their codes. `PagedPool`
 keeps K as pages (N, D, P) and pieces each segment's softmax together from its pages;
 `MaskedPool`, for small unquantized pools attended eagerly, keeps K as one (D, N * P) and
@@ -39,8 +39,8 @@ import torch._dynamo
 import torch.nn as nn
 
 from kernels import masked_attention, paged_attention, slot_bias
-from quant import (WINDOW, channel_factors, dequantize, hadamard, quantize, rotate, rounds,
-                   storage_dtype, windowed)
+from quant import (WINDOW, WINDOW_BITS, channel_factors, dequantize, hadamard, quantize, rotate,
+                   rounds, storage_dtype, windowed)
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments in a group,
 # N pages, P slots per page, C slots per segment in a group, M = N * P slots, D head dimension.
@@ -67,8 +67,9 @@ def slot_bytes(reads_last: bool, ranks: bool = True) -> int:
 
 
 def window(bits: int) -> list[str]:
-    """A window's K, V (n, WINDOW, D) as the part stores them, positions (-1: none), slots."""
-    return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
+    """A window's K, V (n, WINDOW, D) as codes, scales and minima at WINDOW_BITS (`stored`),
+    positions (-1: none), slots."""
+    return [f"w{bits}_{x}" for x in (*stored(WINDOW_BITS), "pos", "slot")]
 
 
 def stored(bits: int | None) -> list[str]:
@@ -169,7 +170,7 @@ class Pool(nn.Module, abc.ABC):
                  device, window: int):
         super().__init__()
         self.groups, self.page, self.every, self.fields = groups, page, every, fields
-        self.window_size = window  # a 4- or 2-bit part's newest tokens in 16 bits
+        self.window_size = window  # a 4- or 2-bit part's newest tokens at WINDOW_BITS
         self.n_growths = 0
         self.cursor = Cursor()
         # The slot each segment writes its next token to, and its next free slots.
@@ -272,14 +273,15 @@ class Pool(nn.Module, abc.ABC):
         k, v = dequantize(*codes[:3], bits, self.dtype), dequantize(*codes[3:], bits, self.dtype)
         if not windowed(bits):
             return k.transpose(1, 2), v
-        wk, wv, pos, slot = (getattr(self, name) for name in window(bits))
+        *held_codes, pos, slot = (getattr(self, name) for name in window(bits))
+        wk, wv = (dequantize(*held_codes[i:i + 3], WINDOW_BITS, k.dtype) for i in (0, 3))
         # An entry whose token was evicted, or whose slot another took, reads nothing.
         held = (self.pos.view(-1)[slot] == pos) & (pos >= 0)  # (n, WINDOW)
         first = self.part_start[self.precisions.index(bits)] if self.part_rows else 0
         at = torch.where(held, slot - first, 0).view(-1)
         for x, w in ((k, wk), (v, wv)):  # x + (w - x) at the window's slots: w
             rows = x.view(-1, x.shape[-1])
-            change = w.view(-1, w.shape[-1]).to(x.dtype) - rows.index_select(0, at)
+            change = w.view(-1, w.shape[-1]) - rows.index_select(0, at)
             rows.index_add_(0, at, change.masked_fill_(~held.view(-1, 1), 0))
         return k.transpose(1, 2), v
 
@@ -381,7 +383,7 @@ class Pool(nn.Module, abc.ABC):
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
         return self.turned(y)
 
-    # --- The window: each 4- or 2-bit segment's newest tokens, also in 16 bits ------
+    # --- The window: each 4- or 2-bit segment's newest tokens, also in 8 bits -------
     def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
         """A part's segments (n,) and their slots (n, C), padded with -1."""
         segs = (getattr(self, f"rows{bits}") if self.part_rows
@@ -392,9 +394,9 @@ class Pool(nn.Module, abc.ABC):
 
     @staticmethod
     def window_entries(n: int, width: int, like: torch.Tensor) -> list[torch.Tensor]:
-        D, dtype, device = like.shape[-1], storage_dtype(16, like.dtype), like.device
-        return [torch.zeros(n, width, D, dtype=dtype, device=device),
-                torch.zeros(n, width, D, dtype=dtype, device=device),
+        codes = quantize(like.new_zeros(n, width, like.shape[-1]), WINDOW_BITS)
+        device = like.device
+        return [*codes, *(t.clone() for t in codes),
                 torch.full((n, width), -1, dtype=torch.int32, device=device),
                 torch.zeros(n, width, dtype=torch.long, device=device)]
 
@@ -402,10 +404,11 @@ class Pool(nn.Module, abc.ABC):
         """Segments segs wrote k, v (n, c, D) at pos, slot (n, c): each window keeps the newest."""
         k = self.turn(k / self.key_factors.index_select(0, segs)[:, None].to(k.dtype))
         names = window(bits)
-        new = (k, self.turn(v), pos.to(torch.int32), slot)
+        new = (*quantize(k, WINDOW_BITS), *quantize(self.turn(v), WINDOW_BITS),
+               pos.to(torch.int32), slot)
         both = [torch.cat([getattr(self, name), x.to(getattr(self, name).dtype)], 1)
                 for name, x in zip(names, new)]
-        top = both[2].topk(getattr(self, names[2]).shape[1], dim=1).indices  # (n, width)
+        top = both[-2].topk(getattr(self, names[-2]).shape[1], dim=1).indices  # (n, width)
         for name, t in zip(names, both):
             at = top.view(*top.shape, *[1] * (t.dim() - 2)).expand(*top.shape, *t.shape[2:])
             getattr(self, name).copy_(t.gather(1, at))
@@ -414,7 +417,7 @@ class Pool(nn.Module, abc.ABC):
         """After slots moved: each window entry pointed at its token's new slot or, if gone, at
         its row's first slot, which cannot hold its position, so the entry reads nothing."""
         for bits in filter(windowed, self.precisions):
-            _, _, pos, slot = (getattr(self, name) for name in window(bits))
+            *_, pos, slot = (getattr(self, name) for name in window(bits))
             _, slots = self.rows_of(bits)
             held = self.pos.view(-1)[slots.clamp(min=0)].masked_fill(slots < 0, -1)  # (n, C)
             match = (held[:, None] == pos[..., None]) & (pos[..., None] >= 0)  # (n, WINDOW, C)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from policies import Policy, Slots, Union, shares
-from quant import WINDOW, channel_factors, dequantize, quantize, rotate, rounds, windowed
+from quant import (WINDOW, WINDOW_BITS, channel_factors, dequantize, quantize, rotate, rounds,
+                   windowed)
 
 # Prompt rows that measure a precision's cost when profiling reads every row.
 ERROR_ROWS = 32
@@ -240,7 +241,7 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
     lens : (B,) prompt lengths
     bits : the precisions; 16 costs nothing
     rows : the last prompt rows read; None: ERROR_ROWS
-    window : newest tokens a windowed precision keeps in 16 bits (quant.windowed); None: WINDOW"""
+    window : newest tokens a windowed precision keeps at WINDOW_BITS (quant.windowed); None: WINDOW"""
     B, K, T, D = k.shape
     rows = rows or ERROR_ROWS
     q = q[:, :, -min(q.shape[2], T - int((lens - lens.clamp(max=rows)).min())):]
@@ -266,13 +267,18 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
     newest = (torch.arange(T, device=k.device) >= lens[:, None] - (
         WINDOW if window is None else window))[:, None, :, None]  # (B, 1, T, 1)
     n = (read.sum(1).clamp(min=1) * G)[:, None]  # (B, 1)
+
+    def stored(b):  # k, v as the pool reads them at b bits
+        return (rotate(dequantize(*quantize(rotate(k / factors), b), b)) * factors,
+                rotate(dequantize(*quantize(rotate(v), b), b)))
+
     for i, b in enumerate(bits):
         if not rounds(b):
             continue
-        kb = rotate(dequantize(*quantize(rotate(k / factors), b), b)) * factors  # as the pool
-        vb = rotate(dequantize(*quantize(rotate(v), b), b))
+        kb, vb = stored(b)
         if windowed(b):
-            kb, vb = kb.where(~newest, k), vb.where(~newest, v)
+            kw, vw = stored(WINDOW_BITS)
+            kb, vb = kb.where(~newest, kw), vb.where(~newest, vw)
         moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)
         changed = (a @ (vb - v)[:, :, None]).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-6)
         out[:, i] = (((moved + changed) * weight).sum((2, 3)) / n).view(-1)

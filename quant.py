@@ -26,10 +26,10 @@ factors) and each output instead, one (D, D) product a query (pool.py).
 Rotated, the output error at 4 bits fell 12-15% on all three texts
 (studies/README.md, quant_grouping).
 
-A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 16
-bits (pool.py's window), as KIVI and HF transformers' quantized cache do:
-the newest tokens draw the most attention, and a token written leaves the
-window when WINDOW newer ones came. Its bytes are counted and priced
+A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 8
+bits (WINDOW_BITS; pool.py's window), as KIVI and HF transformers' quantized
+cache keep theirs in 16: the newest tokens draw the most attention, and a
+token written leaves the window when WINDOW newer ones came. Its bytes are counted and priced
 (`window_bytes`). Under a budget it takes about the same share of a head's
 bytes at every budget: 64 times the budget, from 8 to WINDOW
 (cache.budget_window).
@@ -53,6 +53,10 @@ BITS = (16, 8, 4, 2)
 # KL per byte of the uniform 4-bit cache (studies/README.md, quant_grouping);
 # a method may take another (cache.Method.window).
 WINDOW = 32
+# The window's precision: 8 bits took 0.017 of a 16-bit cache's bytes off the
+# uniform 4-bit cache for 2-4% more KL on three texts, where 16 tokens in 16
+# bits instead of 32 (0.020 fewer) cost 22% (studies/README.md, quant_grouping).
+WINDOW_BITS = 8
 
 
 def channel_factors(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -81,8 +85,8 @@ def rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def windowed(bits: int | None) -> bool:
-    """Whether a precision keeps a window of newest tokens in 16 bits: 4 and 2
-    bits (8 bits loses too little to pay for one)."""
+    """Whether a precision keeps a window of newest tokens at WINDOW_BITS: 4
+    and 2 bits (8 bits loses too little to pay for one)."""
     return bits in (4, 2)
 
 
@@ -159,7 +163,7 @@ def token_bytes(bits: int, head_dim: int, group: int = GROUP) -> int:
 
 def window_bytes(bits: int, head_dim: int, window: int | None = None) -> int:
     """Bytes a head's window takes at `bits`: `window` (None: WINDOW) keys and
-    values in 16 bits, each entry's position (int32) and slot (int64); none
+    values at WINDOW_BITS, each entry's position (int32) and slot (int64); none
     where it keeps no window (`windowed`)."""
     width = WINDOW if window is None else window
-    return width * (token_bytes(16, head_dim) + 4 + 8) if windowed(bits) else 0
+    return width * (token_bytes(WINDOW_BITS, head_dim) + 4 + 8) if windowed(bits) else 0

@@ -33,7 +33,7 @@ from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, 
                       Union)
 from pool import window as window_tensors
 from profiling import attention_sums, local_ratios, weigh
-from quant import channel_factors, dequantize, quantize, rotate, rounds, windowed
+from quant import WINDOW_BITS, channel_factors, dequantize, quantize, rotate, rounds, windowed
 
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
@@ -229,8 +229,8 @@ class Reference:
         self.k, self.v, self.score, self.kept, self.policy = {}, {}, {}, {}, {}
         self.first, self.prompt_keep, self.factors = {}, {}, {}
         # A rounding segment's newest WINDOW positions since compression, and every
-        # token in 16 bits: those of the window that it still holds are read so.
-        self.k16, self.v16, self.window, self.width = {}, {}, {}, {}
+        # token at WINDOW_BITS: those of the window that it still holds are read so.
+        self.kw, self.vw, self.window, self.width = {}, {}, {}, {}
         self.recovery = torch.zeros(B * K, len(self.policies), dtype=torch.float64)
         self.choice = []
         self.dropped = 0  # held tokens let go later, all segments together
@@ -264,8 +264,8 @@ class Reference:
                 self.factors[s] = channel_factors(k[b, h, None, :L], every)[0]
                 self.stored[s] = None if self.bits is None else self.bits[self.choice[s]]
                 self.k[s], self.v[s] = self.rounded(s, kk, key=True), self.rounded(s, vv)
-                self.k16[s] = self.rounded(s, kk, key=True, bits=16)
-                self.v16[s] = self.rounded(s, vv, bits=16)
+                self.kw[s] = self.rounded(s, kk, key=True, bits=WINDOW_BITS)
+                self.vw[s] = self.rounded(s, vv, bits=WINDOW_BITS)
                 for i, p in enumerate(self.policies):
                     self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], score,
                                                   state.prompt_kept[s][i], first, last)
@@ -300,7 +300,7 @@ class Reference:
         if not rounds(self.stored[s]):
             return x.float().half().double()
         # A rounding segment: keys over their channel factors, then keys and values rotated,
-        # in 16 bits in its window (b = 16), else rounded; read back, rotated back.
+        # at WINDOW_BITS in its window, else rounded; read back, rotated back.
         f = self.factors[s] if key else 1.0
         y = rotate(x.float() / f)
         y = y.half().float() if b == 16 else dequantize(*quantize(y, b), b)
@@ -345,8 +345,8 @@ class Reference:
             s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
             self.k[s] = torch.cat([self.k[s], self.rounded(s, k[h, None], key=True)])  # (p + 1, D)
             self.v[s] = torch.cat([self.v[s], self.rounded(s, v[h, None])])
-            self.k16[s] = torch.cat([self.k16[s], self.rounded(s, k[h, None], True, 16)])
-            self.v16[s] = torch.cat([self.v16[s], self.rounded(s, v[h, None], bits=16)])
+            self.kw[s] = torch.cat([self.kw[s], self.rounded(s, k[h, None], True, WINDOW_BITS)])
+            self.vw[s] = torch.cat([self.vw[s], self.rounded(s, v[h, None], bits=WINDOW_BITS)])
             if self.width[s]:
                 self.window[s] = set(sorted(self.window[s] | {p})[-self.width[s]:])
             self.kept[s] = self.kept[s] | {p}
@@ -355,7 +355,7 @@ class Reference:
             keys, values = self.k[s].clone(), self.v[s].clone()
             if windowed(self.stored[s]):
                 at = sorted(j for j in self.window[s] if j <= p)
-                keys[at], values[at] = self.k16[s][at], self.v16[s][at]
+                keys[at], values[at] = self.kw[s][at], self.vw[s][at]
             logits = q[heads].double() @ keys.T / math.sqrt(D)  # (G, p + 1)
             probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
             y[heads] = probs @ values

@@ -445,7 +445,7 @@ def test_cache_options_run_the_core_s_methods():
     assert default == cache.default_method(0.5)
     assert (default.policies, default.kv_budget) == (tuple(menu(by="mean")), 0.5)
     assert (default.rows, default.span, default.weigh_values) == (32, 16, True)
-    # The window of newest tokens in 16 bits: 64 x the budget, from 8 to quant.WINDOW.
+    # The window of newest tokens in 8 bits: 64 x the budget, from 8 to quant.WINDOW.
     assert [cache.default_method(b, (16, 8, 4)).window for b in (0.05, 0.125, 0.25, 0.5, 0.75)] \
         == [8, 8, 16, 32, 32]
     assert cache.default_method(0.125, (16, 8, 4), reread=True).window is None  # quant.WINDOW
