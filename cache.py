@@ -40,7 +40,7 @@ from policies import Full, Policy, Slots, baseline, menu, shortlist
 from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
                        precision_errors, prompt_slots, recoveries, reread_profile, reread_sums,
                        squared_losses, weigh)
-from quant import WINDOW, rounds, token_bytes, window_bytes
+from quant import rounds, token_bytes, window_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
@@ -71,13 +71,11 @@ UNRESERVED = ("a compressed cache's decode step ran without its reservation: cal
 
 
 def budget_window(kv_budget: float) -> int:
-    """The newest tokens a 4- or 2-bit head keeps in 8 bits under the default's budget: 64
-    times the budget, from 8 to quant.WINDOW (32), about the same share of a head's bytes at
-    every budget. Chosen with the window in 16 bits, when quant.WINDOW took a third of what a
-    head gets at an eighth of a 16-bit head's bytes on 832 tokens; there 8 lost 2-11% less KL
-    than 16 on three texts, 16 at a quarter kept top-1 where 8 lowered it, and 32 at a half
-    lost less than 16 (studies/README.md, evaluate, "Precision")."""
-    return min(WINDOW, max(8, round(64 * kv_budget)))
+    """The newest tokens a 4- or 2-bit head keeps in 8 bits under the default's budget: 128
+    times the budget, from 16 to 64, about a tenth of a head's bytes at every budget. In 8 bits
+    this lost less KL than 64 times (8 to 32) at an eighth, a quarter and a half on three texts,
+    and 256 times (32 to 128) more (studies/README.md, evaluate, "Precision")."""
+    return min(64, max(16, round(128 * kv_budget)))
 
 
 @dataclass(frozen=True)
