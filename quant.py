@@ -29,9 +29,9 @@ Rotated, the output error at 4 bits fell 12-15% on all three texts
 A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 8
 bits (WINDOW_BITS; pool.py's window), as KIVI and HF transformers' quantized
 cache keep theirs in 16: the newest tokens draw the most attention, and a
-token written leaves the window when WINDOW newer ones came. Its bytes are counted and priced
-(`window_bytes`). Under a budget it takes about the same share of a head's
-bytes at every budget: 64 times the budget, from 8 to WINDOW
+token written leaves the window when WINDOW newer ones came. Its bytes are
+counted and priced (`window_bytes`). Under a budget it takes about the same
+share of a head's bytes at every budget: 128 times the budget, from 16 to 64
 (cache.budget_window).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
