@@ -170,5 +170,10 @@ def test_a_plan_over_the_budget_says_so(tiny_ckpt):
                 max_new_tokens=64, **kw)
     assert over.kv_budget == 0.25 and over.planned_share > 0.3
     assert "over --kv-budget 0.25" in over.summary() and "--max-new-tokens" in over.summary()
+    assert "with --ask-after" in over.summary()
+    # Without --ask-after a short prompt's plan can go over too; the note then names no mode.
+    short = main(prompt, cache=CacheOptions("fastgen", kv_budget=0.05, kv_bits=(16, 8, 4)),
+                 max_new_tokens=64, **kw)
+    assert "over --kv-budget 0.05" in short.summary() and "--ask-after" not in short.summary()
     within = main(prompt, cache=CacheOptions("fastgen", kv_budget=0.5), max_new_tokens=4, **kw)
     assert within.planned_share <= 0.5 * 1.01 and "over --kv-budget" not in within.summary()
