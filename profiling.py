@@ -241,7 +241,8 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
     lens : (B,) prompt lengths
     bits : the precisions; 16 costs nothing
     rows : the last prompt rows read; None: ERROR_ROWS
-    window : newest tokens a windowed precision keeps at WINDOW_BITS (quant.windowed); None: WINDOW"""
+    window : newest tokens a windowed precision keeps at WINDOW_BITS (quant.windowed); None:
+        WINDOW"""
     B, K, T, D = k.shape
     rows = rows or ERROR_ROWS
     q = q[:, :, -min(q.shape[2], T - int((lens - lens.clamp(max=rows)).min())):]
@@ -268,16 +269,16 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
         WINDOW if window is None else window))[:, None, :, None]  # (B, 1, T, 1)
     n = (read.sum(1).clamp(min=1) * G)[:, None]  # (B, 1)
 
-    def stored(b):  # k, v as the pool reads them at b bits
-        return (rotate(dequantize(*quantize(rotate(k / factors), b), b)) * factors,
-                rotate(dequantize(*quantize(rotate(v), b), b)))
-
+    # k, v as the pool reads them at each precision that rounds, and at its windows' (once).
+    needed = {b for b in bits if rounds(b)} | ({WINDOW_BITS} if any(map(windowed, bits)) else set())
+    stored = {b: (rotate(dequantize(*quantize(rotate(k / factors), b), b)) * factors,
+                  rotate(dequantize(*quantize(rotate(v), b), b))) for b in needed}
     for i, b in enumerate(bits):
         if not rounds(b):
             continue
-        kb, vb = stored(b)
+        kb, vb = stored[b]
         if windowed(b):
-            kw, vw = stored(WINDOW_BITS)
+            kw, vw = stored[WINDOW_BITS]
             kb, vb = kb.where(~newest, kw), vb.where(~newest, vw)
         moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)
         changed = (a @ (vb - v)[:, :, None]).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-6)

@@ -300,10 +300,9 @@ class Reference:
         if not rounds(self.stored[s]):
             return x.float().half().double()
         # A rounding segment: keys over their channel factors, then keys and values rotated,
-        # at WINDOW_BITS in its window, else rounded; read back, rotated back.
+        # rounded at its precision (at WINDOW_BITS in its window); read back, rotated back.
         f = self.factors[s] if key else 1.0
-        y = rotate(x.float() / f)
-        y = y.half().float() if b == 16 else dequantize(*quantize(y, b), b)
+        y = dequantize(*quantize(rotate(x.float() / f), b), b)
         return (rotate(y) * f).double()
 
     def choose(self, recovery, cache_choice):
