@@ -100,8 +100,7 @@ class Method:
         tokens between evictions; None: half a page, at least EVICT_EVERY
     reread : bool, default False
         profile by the context read again (generation.read_again), for questions asked after
-        it, and by its last rows: each head is worth the score it keeps, not its squared loss;
-        decoding evicts nothing
+        it, and by its last rows: each head is worth the score it keeps, not its squared loss
     window : int, optional
         newest tokens a 4- or 2-bit head also keeps in 8 bits (pool.py); None: quant.WINDOW
     """
@@ -352,10 +351,7 @@ class FastGenCache(Cache):
         """Each segment's policy as eviction asks it, -1 none: after a chunk, all but those that
         keep all (`drops_by`); while decoding, not those that never evict either (`evicts_by`)."""
         drops = [-1 if self.policies[i].keeps_all else i for i in choice]
-        # Read again, the prompt is compressed for questions not asked yet: decoding (the
-        # question's tokens) evicts nothing, as a query would rank the held tokens by itself.
-        evicts = [-1 if i < 0 or self.policies[i].never_evicts or self.method.reread else i
-                  for i in drops]
+        evicts = [-1 if i < 0 or self.policies[i].never_evicts else i for i in drops]
         self.drops_by.copy_(torch.tensor(drops))
         self.evicts_by.copy_(torch.tensor(evicts))
         self.drops, self.evicting = max(drops) >= 0, max(evicts) >= 0  # on the host
@@ -424,7 +420,7 @@ class FastGenCache(Cache):
             s.last = prof.last
             s.keeps_all(P)
             values[seg] = recoveries(P, s, prof)
-            growth = growths(P, s, self.method)
+            growth = growths(P, s)
             costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
                 growth * new).long()
             if self.bits is not None:
@@ -576,7 +572,7 @@ def decide(caches: list[FastGenCache]):
             c.errors = e
     # The prompt's (L * S, T) slots and recoveries (L * S, M); keeps (M, L * S, T).
     keeps = torch.stack([prompt.keeps(p) for p in first.policies])
-    growth = growths(first.policies, prompt, first.method)  # (L * S, M)
+    growth = growths(first.policies, prompt)  # (L * S, M)
     choose_policies(caches, prompt, recovery, keeps, growth)
     compress(caches, prompt, keeps, growth)
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
@@ -611,11 +607,8 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
     return Profile.cat(parts)
 
 
-def growths(policies: list[Policy], prompt: Slots, method: Method) -> torch.Tensor:
-    """(S, M) the share of new tokens each policy holds on to (Policy.growth): all of them
-    where decoding never evicts (`follow`, a method that reads again)."""
-    if method.reread:
-        return prompt.pos.new_ones(len(prompt.pos), len(policies), dtype=torch.float32)
+def growths(policies: list[Policy], prompt: Slots) -> torch.Tensor:
+    """(S, M) the share of new tokens each policy holds on to (Policy.growth)."""
     return torch.stack([p.growth(prompt) for p in policies], 1)
 
 

@@ -290,8 +290,7 @@ class Generation:
     profile_s: float = 0.0              # FastGen profiling + compression, part of prefill_s
     growths: int = 0                    # times a compressed cache grew while decoding
     kv_budget: float | None = None      # budget mode: the share of a full cache's bytes asked
-    planned_share: float = 0.0          # ... and the most any layer's plan took (cheapest: more)
-    keeps_generated: bool = False       # --ask-after: decoding evicts nothing
+    planned_share: float = 0.0          # ... and the most a sequence's plan took (cheapest: more)
     plan: list[list[str]] = field(default_factory=list)  # per layer, per segment
     recovery: list[list[list[float]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -332,10 +331,8 @@ class Generation:
                             f"the {total:.2f} s of prefill + decode)")
         if self.kv_budget is not None and self.planned_share > self.kv_budget * 1.01:
             lines.append(
-                f"note: the plan took {self.planned_share:.2f} of a full cache's bytes, over "
+                f"note: the plan took {self.planned_share:.2g} of a full cache's bytes, over "
                 f"--kv-budget {self.kv_budget:g}: every head took its cheapest policy"
-                + (" (with --ask-after, each keeps every token generated)"
-                   if self.keeps_generated else "")
                 + "; raise --kv-budget or lower --max-new-tokens")
         if self.plan:
             names = list(dict.fromkeys(p for layer in self.plan for p in layer))
@@ -407,9 +404,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         gen.recovery = [c.recovery.tolist() for c in caches if c.recovery is not None]
         gen.growths = sum(c.growths() for c in caches)
         gen.kv_budget = caches[0].method.kv_budget
-        gen.keeps_generated = caches[0].method.reread
         if gen.kv_budget is not None:
-            gen.planned_share = max(float(torch.as_tensor(c.share).max()) for c in caches)
+            # Layers share the budget (cache.SCOPE): one may take more, the whole plan not.
+            shares = torch.stack([torch.as_tensor(c.share, dtype=torch.float32) for c in caches])
+            gen.planned_share = float(shares.mean(0).max())
     model.setup_caches(None)
     return tp.gather_stats(gen, B) if tp.world() > 1 else gen
 

@@ -216,11 +216,9 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
                                    rtol=1e-4 if bits is None else 1e-2)
 
 
-def test_after_reading_again_decoding_evicts_nothing_and_is_priced_so():
-    """The question comes after compression: its tokens must not rank the held
-    ones by themselves, so a cache that read the prompt again keeps every new
-    token (each step adds one per segment) and its budget prices them all; the
-    default evicts while decoding."""
+def test_after_reading_again_decoding_evicts_as_the_default_does():
+    """A cache that read the prompt again evicts while decoding, by each head's policy, and its
+    budget prices the policies' growth: a long answer fits the budget, as without the reading."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     prompt = torch.randint(1, 200, (1, 64))
@@ -231,9 +229,8 @@ def test_after_reading_again_decoding_evicts_nothing_and_is_priced_so():
         model(prompt, torch.arange(64)[None])
         if reread:
             read_again(model, prompt, torch.tensor([64]))
-        growth = cache.growths(caches[0].policies, caches[0].slots(caches[0].pool.groups[0]),
-                               caches[0].method)
-        assert bool((growth == 1).all()) == reread
+        growth = cache.growths(caches[0].policies, caches[0].slots(caches[0].pool.groups[0]))
+        assert bool((growth < 1).any())
         before = [c.kept() for c in caches]
         for i in range(32):
             reserve(model.caches())
@@ -241,5 +238,5 @@ def test_after_reading_again_decoding_evicts_nothing_and_is_priced_so():
         kept[reread] = [c.kept() - b for c, b in zip(caches, before)]
         model.setup_caches(None)
     S = model.args.n_kv_heads
-    assert kept[True] == [32 * S] * 2
-    assert any(k < 32 * S for k in kept[False])
+    for reread in (False, True):
+        assert any(k < 32 * S for k in kept[reread])
