@@ -332,8 +332,8 @@ class Generation:
         if self.kv_budget is not None and self.planned_share > self.kv_budget * 1.01:
             lines.append(
                 f"note: the plan took {self.planned_share:.2g} of a full cache's bytes, over "
-                f"--kv-budget {self.kv_budget:g}: every head took its cheapest policy"
-                + "; raise --kv-budget or lower --max-new-tokens")
+                f"--kv-budget {self.kv_budget:g}: every head took its cheapest policy; raise "
+                "--kv-budget or lower --max-new-tokens")
         if self.plan:
             names = list(dict.fromkeys(p for layer in self.plan for p in layer))
             lines.append("policy count per layer (segments = sequences x KV heads):")
