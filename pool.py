@@ -11,8 +11,8 @@ Each group stores K and V at its policy's precision (quant.py); the groups of on
 a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
 minima). A rounding part stores keys over their channel factors and both K and V rotated
 (quant.py), and reads them so: `turned` brings a query to them and the output back.
-A part at 4 or 2 bits also keeps each segment's newest tokens in 8 bits (its *window*, as
-wide as the method says, quant.WINDOW if it does not), read instead of their codes. `PagedPool`
+A part at 4 or 2 bits also keeps each segment's newest tokens to about 8 bits (its *window*, as
+wide as the method says, quant.WINDOW if it does not): what their codes miss, added as they are read. `PagedPool`
 keeps K as pages (N, D, P) and pieces each segment's softmax together from its pages;
 `MaskedPool`, for small unquantized pools attended eagerly, keeps K as one (D, N * P) and
 attends every query to every slot, kept to its own by a bias. The interface the cache uses,
@@ -39,8 +39,8 @@ import torch._dynamo
 import torch.nn as nn
 
 from kernels import masked_attention, paged_attention, slot_bias
-from quant import (WINDOW, WINDOW_BITS, channel_factors, dequantize, hadamard, quantize, rotate,
-                   rounds, storage_dtype, windowed)
+from quant import (WINDOW, channel_factors, dequantize, dequantize_residual, hadamard, quantize,
+                   quantize_residual, residual_bits, rotate, rounds, storage_dtype, windowed)
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments in a group,
 # N pages, P slots per page, C slots per segment in a group, M = N * P slots, D head dimension.
@@ -67,9 +67,9 @@ def slot_bytes(reads_last: bool, ranks: bool = True) -> int:
 
 
 def window(bits: int) -> list[str]:
-    """A window's K, V (n, WINDOW, D) as codes, scales and minima at WINDOW_BITS (`stored`),
-    positions (-1: none), slots."""
-    return [f"w{bits}_{x}" for x in (*stored(WINDOW_BITS), "pos", "slot")]
+    """A window's residues of K and V (n, WINDOW, D * residual_bits // 8: what the codes miss,
+    quant.quantize_residual), positions (-1: none), slots."""
+    return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
 
 
 def stored(bits: int | None) -> list[str]:
@@ -170,7 +170,7 @@ class Pool(nn.Module, abc.ABC):
                  device, window: int):
         super().__init__()
         self.groups, self.page, self.every, self.fields = groups, page, every, fields
-        self.window_size = window  # a 4- or 2-bit part's newest tokens at WINDOW_BITS
+        self.window_size = window  # a 4- or 2-bit part's newest tokens, to about 8 bits
         self.n_growths = 0
         self.cursor = Cursor()
         # The slot each segment writes its next token to, and its next free slots.
@@ -246,11 +246,13 @@ class Pool(nn.Module, abc.ABC):
             if windowed(bits):  # the window starts with the newest tokens kept of the prompt
                 segs, slots = self.rows_of(bits)
                 width = min(self.window_size, slots.shape[1])  # no wider than a segment's row
-                for name, t in zip(window(bits), self.window_entries(len(segs), width, k)):
+                for name, t in zip(window(bits), self.window_entries(len(segs), width, k, bits)):
                     self.register_buffer(name, t, persistent=False)
                 at = slots.clamp(min=0)
                 pos = self.pos.view(-1)[at].masked_fill(slots < 0, -1)
-                self.remember(bits, segs, k[at], v[at], pos, at)
+                mine = (at - first * P).clamp(min=0)  # the part's own slots
+                codes = [getattr(self, name).flatten(0, 1)[mine] for name in stored(bits)]
+                self.remember(bits, segs, k[at], v[at], pos, at, codes)
         self.hide()
         self.mark_dynamic()
 
@@ -260,10 +262,15 @@ class Pool(nn.Module, abc.ABC):
         if not rounds(bits):  # the model's dtype (a no-op) or 16 bits
             dtype = self.dtype if bits is None else storage_dtype(bits, self.dtype)
             return dict(k=k.to(dtype), v=v.to(dtype))
+        k, v = self.prepare(k, v, seg)
+        return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
+
+    def prepare(self, k, v, seg=None):
+        """Rows of k, v (..., D) as a rounding part rounds them: keys over their factors, both
+        rotated; seg as `encode`'s."""
         f = self.key_factors if seg is None else self.key_factors.index_select(0, seg)
-        k = (k.view(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
-        return dict(zip(stored(bits), (*quantize(self.turn(k), bits),
-                                       *quantize(self.turn(v), bits))))
+        k = (k.reshape(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
+        return self.turn(k), self.turn(v)
 
     def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
         """A part's K (n, D, P) and V (n, P, D) in the model's dtype, windows applied."""
@@ -273,16 +280,15 @@ class Pool(nn.Module, abc.ABC):
         k, v = dequantize(*codes[:3], bits, self.dtype), dequantize(*codes[3:], bits, self.dtype)
         if not windowed(bits):
             return k.transpose(1, 2), v
-        *held_codes, pos, slot = (getattr(self, name) for name in window(bits))
-        wk, wv = (dequantize(*held_codes[i:i + 3], WINDOW_BITS, k.dtype) for i in (0, 3))
+        *residues, pos, slot = (getattr(self, name) for name in window(bits))
         # An entry whose token was evicted, or whose slot another took, reads nothing.
         held = (self.pos.view(-1)[slot] == pos) & (pos >= 0)  # (n, WINDOW)
         first = self.part_start[self.precisions.index(bits)] if self.part_rows else 0
         at = torch.where(held, slot - first, 0).view(-1)
-        for x, w in ((k, wk), (v, wv)):  # x + (w - x) at the window's slots: w
-            rows = x.view(-1, x.shape[-1])
-            change = w.view(-1, w.shape[-1]) - rows.index_select(0, at)
-            rows.index_add_(0, at, change.masked_fill_(~held.view(-1, 1), 0))
+        for x, r, scale in zip((k, v), residues, (codes[1], codes[4])):  # plus what codes miss
+            scale = scale.flatten(0, 1).index_select(0, at)
+            change = dequantize_residual(r.flatten(0, 1), scale, bits, x.dtype)
+            x.view(-1, x.shape[-1]).index_add_(0, at, change.masked_fill_(~held.view(-1, 1), 0))
         return k.transpose(1, 2), v
 
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +329,8 @@ class Pool(nn.Module, abc.ABC):
                     segs[:, None] * per + torch.arange(per, device=segs.device)).view(-1)
                 at = slot.index_select(0, rows) - self.part_start[i]
             ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
-            for name, t in self.encode(bits, ks, vs, segs).items():
+            encoded = self.encode(bits, ks, vs, segs)
+            for name, t in encoded.items():
                 if name == "k":
                     self.write_key(at, t)
                 else:
@@ -335,7 +342,8 @@ class Pool(nn.Module, abc.ABC):
                 ps = pos if rows is None else pos.index_select(0, rows)
                 slots = slot if rows is None else slot.index_select(0, rows)
                 self.remember(bits, segs, ks.view(n, per, D), vs.view(n, per, D),
-                              ps.view(n, per), slots.view(n, per))
+                              ps.view(n, per), slots.view(n, per),
+                              [t.view(n, per, *t.shape[1:]) for t in encoded.values()])
 
     def add_scores(self, last):
         """The attention each slot got from the latest query, (N, P)."""
@@ -383,7 +391,7 @@ class Pool(nn.Module, abc.ABC):
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
         return self.turned(y)
 
-    # --- The window: each 4- or 2-bit segment's newest tokens, also in 8 bits -------
+    # --- The window: what each 4- or 2-bit segment's newest tokens' codes miss -------
     def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
         """A part's segments (n,) and their slots (n, C), padded with -1."""
         segs = (getattr(self, f"rows{bits}") if self.part_rows
@@ -393,18 +401,20 @@ class Pool(nn.Module, abc.ABC):
         return segs, (start[:, None] + cols).masked_fill_(cols >= width[:, None], -1)
 
     @staticmethod
-    def window_entries(n: int, width: int, like: torch.Tensor) -> list[torch.Tensor]:
-        codes = quantize(like.new_zeros(n, width, like.shape[-1]), WINDOW_BITS)
-        device = like.device
-        return [*codes, *(t.clone() for t in codes),
+    def window_entries(n: int, width: int, like: torch.Tensor, bits: int) -> list[torch.Tensor]:
+        device, D = like.device, like.shape[-1]
+        residue = torch.zeros(n, width, D * residual_bits(bits) // 8, dtype=torch.uint8,
+                              device=device)
+        return [residue, residue.clone(),
                 torch.full((n, width), -1, dtype=torch.int32, device=device),
                 torch.zeros(n, width, dtype=torch.long, device=device)]
 
-    def remember(self, bits, segs, k, v, pos, slot):
-        """Segments segs wrote k, v (n, c, D) at pos, slot (n, c): each window keeps the newest."""
-        k = self.turn(k / self.key_factors.index_select(0, segs)[:, None].to(k.dtype))
+    def remember(self, bits, segs, k, v, pos, slot, codes):
+        """Segments segs wrote k, v (n, c, D) at pos, slot (n, c), stored as `codes` (the part's
+        six tensors, (n, c, ...)): each window keeps what the newest miss."""
+        k, v = self.prepare(k, v, segs)
         names = window(bits)
-        new = (*quantize(k, WINDOW_BITS), *quantize(self.turn(v), WINDOW_BITS),
+        new = (quantize_residual(k, *codes[:3], bits), quantize_residual(v, *codes[3:], bits),
                pos.to(torch.int32), slot)
         both = [torch.cat([getattr(self, name), x.to(getattr(self, name).dtype)], 1)
                 for name, x in zip(names, new)]

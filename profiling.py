@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from policies import Policy, Slots, Union, shares
-from quant import (WINDOW, WINDOW_BITS, channel_factors, dequantize, quantize, rotate, rounds,
-                   windowed)
+from quant import WINDOW, channel_factors, read_back, rotate, rounds, windowed
 
 # Prompt rows that measure a precision's cost when profiling reads every row.
 ERROR_ROWS = 32
@@ -241,7 +240,7 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
     lens : (B,) prompt lengths
     bits : the precisions; 16 costs nothing
     rows : the last prompt rows read; None: ERROR_ROWS
-    window : newest tokens a windowed precision keeps at WINDOW_BITS (quant.windowed); None:
+    window : newest tokens a windowed precision keeps to about 8 bits (quant.windowed); None:
         WINDOW"""
     B, K, T, D = k.shape
     rows = rows or ERROR_ROWS
@@ -269,16 +268,17 @@ def precision_errors(q, k, v, lens, bits: list[int], rows: int | None = None,
         WINDOW if window is None else window))[:, None, :, None]  # (B, 1, T, 1)
     n = (read.sum(1).clamp(min=1) * G)[:, None]  # (B, 1)
 
-    # k, v as the pool reads them at each precision that rounds, and at its windows' (once).
-    needed = {b for b in bits if rounds(b)} | ({WINDOW_BITS} if any(map(windowed, bits)) else set())
-    stored = {b: (rotate(dequantize(*quantize(rotate(k / factors), b), b)) * factors,
-                  rotate(dequantize(*quantize(rotate(v), b), b))) for b in needed}
+    # k, v as the pool reads them at each precision that rounds, and in its windows.
+    def read(b, window=False):
+        return (rotate(read_back(rotate(k / factors), b, window)) * factors,
+                rotate(read_back(rotate(v), b, window)))
+
     for i, b in enumerate(bits):
         if not rounds(b):
             continue
-        kb, vb = stored[b]
+        kb, vb = read(b)
         if windowed(b):
-            kw, vw = stored[WINDOW_BITS]
+            kw, vw = read(b, window=True)
             kb, vb = kb.where(~newest, kw), vb.where(~newest, vw)
         moved = (attention(kb) - a).abs().sum(-1) / 2  # (B, K, G, R)
         changed = (a @ (vb - v)[:, :, None]).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-6)

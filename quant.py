@@ -26,12 +26,17 @@ factors) and each output instead, one (D, D) product a query (pool.py).
 Rotated, the output error at 4 bits fell 12-15% on all three texts
 (studies/README.md, quant_grouping).
 
-A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens in 8
-bits (WINDOW_BITS; pool.py's window), as KIVI and HF transformers' quantized
-cache keep theirs in 16: the newest tokens draw the most attention, and a
-token written leaves the window when WINDOW newer ones came. Its bytes are
-counted and priced (`window_bytes`). Under a budget it takes about the same
-share of a head's bytes at every budget: 128 times the budget, from 16 to 64
+A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens to
+about 8 bits (WINDOW_BITS; pool.py's window), as KIVI and HF transformers'
+quantized cache keep theirs in 16: the newest tokens draw the most attention,
+and a token written leaves the window when WINDOW newer ones came. The window
+holds what a token's codes miss (`quantize_residual`): at most half a step of
+its group, rounded in 8 - bits bits (4, or 8 for 2-bit codes) on that step,
+with no scale of its own. A 4-bit token's window entry so takes half of what
+8-bit codes would, about as faithful (a 14th of the codes' step, against
+8-bit codes' 17th). Its bytes are counted and priced
+(`window_bytes`). Under a budget it takes about the same share of a head's
+bytes at every budget: 128 times the budget, from 16 to 64
 (cache.budget_window).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
@@ -53,9 +58,10 @@ BITS = (16, 8, 4, 2)
 # KL per byte of the uniform 4-bit cache (studies/README.md, quant_grouping);
 # a method may take another (cache.Method.window).
 WINDOW = 32
-# The window's precision: 8 bits took 0.017 of a 16-bit cache's bytes off the
-# uniform 4-bit cache for 2-4% more KL on three texts, where 16 tokens in 16
-# bits instead of 32 (0.020 fewer) cost 22% (studies/README.md, quant_grouping).
+# The window's precision, codes and what they miss together: 8 bits took 0.017
+# of a 16-bit cache's bytes off the uniform 4-bit cache for 2-4% more KL on three
+# texts, where 16 tokens in 16 bits instead of 32 (0.020 fewer) cost 22%; held as
+# what the codes miss, 0.0xx more (studies/README.md, quant_grouping).
 WINDOW_BITS = 8
 
 
@@ -85,7 +91,7 @@ def rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def windowed(bits: int | None) -> bool:
-    """Whether a precision keeps a window of newest tokens at WINDOW_BITS: 4
+    """Whether a precision keeps a window of newest tokens to about WINDOW_BITS: 4
     and 2 bits (8 bits loses too little to pay for one)."""
     return bits in (4, 2)
 
@@ -126,6 +132,47 @@ def dequantize(codes, scale, low, bits: int, dtype=torch.float32) -> torch.Tenso
     return (g * scale[..., None].to(dtype) + low[..., None].to(dtype)).view(*lead, D)
 
 
+def residual_bits(bits: int) -> int:
+    """Bits a window rounds what `bits`-bit codes miss to: WINDOW_BITS - bits, or 8 where
+    that does not pack (6, after 2-bit codes)."""
+    rest = WINDOW_BITS - bits
+    return rest if rest in (4, 8) else 8
+
+
+def quantize_residual(x: torch.Tensor, codes, scale, low, bits: int) -> torch.Tensor:
+    """What x (..., D) loses to its codes at `bits` (`quantize`'s, with their scale and low),
+    as `residual_bits` codes (..., D * residual_bits // 8) on the codes' own step. It lies
+    within half a step of 0: levels from -1/2 to 1/2 of it (2 ** residual_bits - 1, one code
+    left unused) read a number between two codes the same from either, and have one at 0,
+    where the group's least and largest numbers fall: neither turns on a rounding."""
+    r = x.float() - dequantize(codes, scale, low, bits)
+    half = (1 << residual_bits(bits)) // 2 - 1  # 7 levels each side of 0 at 4 bits
+    *lead, D = x.shape
+    step = scale.float().clamp(min=torch.finfo(torch.float16).tiny)[..., None] / (2 * half)
+    g = r.view(*lead, scale.shape[-1], -1) / step
+    rcodes = (g.round_().clamp_(-half, half) + half).to(torch.uint8)
+    return pack(rcodes.view(*lead, D), residual_bits(bits))
+
+
+def dequantize_residual(rcodes, scale, bits: int, dtype=torch.float32) -> torch.Tensor:
+    """`quantize_residual`'s inverse: what to add to the codes' values, (..., D) in `dtype`."""
+    rbits = residual_bits(bits)
+    half = (1 << rbits) // 2 - 1
+    c = unpack(rcodes, rbits)
+    *lead, D = c.shape
+    g = (c.view(*lead, scale.shape[-1], -1).to(dtype) - half) / (2 * half)
+    return (g * scale[..., None].to(dtype)).view(*lead, D)
+
+
+def read_back(x: torch.Tensor, bits: int, window: bool = False) -> torch.Tensor:
+    """x (..., D) stored at `bits` and read back, in float32; `window`: as a window holds it,
+    the codes and what they miss."""
+    stored = quantize(x, bits)
+    y = dequantize(*stored, bits)
+    return y + dequantize_residual(quantize_residual(x, *stored, bits), stored[1], bits) \
+        if window else y
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(..., D) codes below 2**bits as (..., D * bits // 8) bytes, in planes: byte j holds
     codes j, j + D / per, j + 2 D / per, ... (per = 8 // bits), the first lowest. Read
@@ -162,8 +209,8 @@ def token_bytes(bits: int, head_dim: int, group: int = GROUP) -> int:
 
 
 def window_bytes(bits: int, head_dim: int, window: int | None = None) -> int:
-    """Bytes a head's window takes at `bits`: `window` (None: WINDOW) keys and
-    values at WINDOW_BITS, each entry's position (int32) and slot (int64); none
-    where it keeps no window (`windowed`)."""
+    """Bytes a head's window takes at `bits`: `window` (None: WINDOW) keys' and
+    values' residues (`quantize_residual`), each entry's position (int32) and slot
+    (int64); none where it keeps no window (`windowed`)."""
     width = WINDOW if window is None else window
-    return width * (token_bytes(WINDOW_BITS, head_dim) + 4 + 8) if windowed(bits) else 0
+    return width * (2 * head_dim * residual_bits(bits) // 8 + 4 + 8) if windowed(bits) else 0

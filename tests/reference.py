@@ -33,7 +33,7 @@ from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, 
                       Union)
 from pool import window as window_tensors
 from profiling import attention_sums, local_ratios, weigh
-from quant import WINDOW_BITS, channel_factors, dequantize, quantize, rotate, rounds, windowed
+from quant import channel_factors, read_back, rotate, rounds, windowed
 
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
@@ -229,7 +229,7 @@ class Reference:
         self.k, self.v, self.score, self.kept, self.policy = {}, {}, {}, {}, {}
         self.first, self.prompt_keep, self.factors = {}, {}, {}
         # A rounding segment's newest WINDOW positions since compression, and every
-        # token at WINDOW_BITS: those of the window that it still holds are read so.
+        # token as a window holds it: those of the window that it still holds are read so.
         self.kw, self.vw, self.window, self.width = {}, {}, {}, {}
         self.recovery = torch.zeros(B * K, len(self.policies), dtype=torch.float64)
         self.choice = []
@@ -264,8 +264,8 @@ class Reference:
                 self.factors[s] = channel_factors(k[b, h, None, :L], every)[0]
                 self.stored[s] = None if self.bits is None else self.bits[self.choice[s]]
                 self.k[s], self.v[s] = self.rounded(s, kk, key=True), self.rounded(s, vv)
-                self.kw[s] = self.rounded(s, kk, key=True, bits=WINDOW_BITS)
-                self.vw[s] = self.rounded(s, vv, bits=WINDOW_BITS)
+                self.kw[s] = self.rounded(s, kk, key=True, window=True)
+                self.vw[s] = self.rounded(s, vv, window=True)
                 for i, p in enumerate(self.policies):
                     self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], score,
                                                   state.prompt_kept[s][i], first, last)
@@ -292,17 +292,18 @@ class Reference:
                                       cheapest + new * len(cost) * max(unit))
         return y
 
-    def rounded(self, s, x, key=False, bits=None):
-        """x (n, D) as segment s's precision (or `bits`) stores and reads it, in float64."""
-        b = bits or self.stored[s]
+    def rounded(self, s, x, key=False, window=False):
+        """x (n, D) as segment s's precision stores and reads it (or its window), in float64."""
+        b = self.stored[s]
         if b is None:
             return x.double()
-        if not rounds(self.stored[s]):
+        if not rounds(b):
             return x.float().half().double()
         # A rounding segment: keys over their channel factors, then keys and values rotated,
-        # rounded at its precision (at WINDOW_BITS in its window); read back, rotated back.
+        # rounded at its precision (with what the codes miss in its window); read back,
+        # rotated back.
         f = self.factors[s] if key else 1.0
-        y = dequantize(*quantize(rotate(x.float() / f), b), b)
+        y = read_back(rotate(x.float() / f), b, window)
         return (rotate(y) * f).double()
 
     def choose(self, recovery, cache_choice):
@@ -344,8 +345,8 @@ class Reference:
             s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
             self.k[s] = torch.cat([self.k[s], self.rounded(s, k[h, None], key=True)])  # (p + 1, D)
             self.v[s] = torch.cat([self.v[s], self.rounded(s, v[h, None])])
-            self.kw[s] = torch.cat([self.kw[s], self.rounded(s, k[h, None], True, WINDOW_BITS)])
-            self.vw[s] = torch.cat([self.vw[s], self.rounded(s, v[h, None], bits=WINDOW_BITS)])
+            self.kw[s] = torch.cat([self.kw[s], self.rounded(s, k[h, None], True, True)])
+            self.vw[s] = torch.cat([self.vw[s], self.rounded(s, v[h, None], window=True)])
             if self.width[s]:
                 self.window[s] = set(sorted(self.window[s] | {p})[-self.width[s]:])
             self.kept[s] = self.kept[s] | {p}
