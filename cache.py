@@ -71,7 +71,7 @@ UNRESERVED = ("a compressed cache's decode step ran without its reservation: cal
 
 
 def budget_window(kv_budget: float) -> int:
-    """The newest tokens a 4- or 2-bit head keeps in 8 bits under the default's budget: 128
+    """The newest tokens a 4- or 2-bit head keeps to about 8 bits under the default's budget: 128
     times the budget, from 16 to 64, about a tenth of a head's bytes at every budget. In 8 bits
     this lost less KL than 64 times (8 to 32) at an eighth, a quarter and a half on three texts,
     and 256 times (32 to 128) more (studies/README.md, evaluate, "Precision")."""
@@ -102,7 +102,7 @@ class Method:
         profile by the context read again (generation.read_again), for questions asked after
         it, and by its last rows: each head is worth the score it keeps, not its squared loss
     window : int, optional
-        newest tokens a 4- or 2-bit head also keeps in 8 bits (pool.py); None: quant.WINDOW
+        newest tokens a 4- or 2-bit head also keeps to about 8 bits (pool.py); None: quant.WINDOW
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None

@@ -12,9 +12,9 @@ a *part*, with K and V in tensors of its own (model dtype, float16, or codes wit
 minima). A rounding part stores keys over their channel factors and both K and V rotated
 (quant.py), and reads them so: `turned` brings a query to them and the output back.
 A part at 4 or 2 bits also keeps each segment's newest tokens to about 8 bits (its *window*, as
-wide as the method says, quant.WINDOW if it does not): what their codes miss, added as they are read. `PagedPool`
-keeps K as pages (N, D, P) and pieces each segment's softmax together from its pages;
-`MaskedPool`, for small unquantized pools attended eagerly, keeps K as one (D, N * P) and
+wide as the method says, quant.WINDOW if it does not): what their codes miss, added as they are
+read. `PagedPool` keeps K as pages (N, D, P) and pieces each segment's softmax together from its
+pages; `MaskedPool`, for small unquantized pools attended eagerly, keeps K as one (D, N * P) and
 attends every query to every slot, kept to its own by a bias. The interface the cache uses,
 one layer at a time:
 

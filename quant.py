@@ -31,13 +31,13 @@ about 8 bits (WINDOW_BITS; pool.py's window), as KIVI and HF transformers'
 quantized cache keep theirs in 16: the newest tokens draw the most attention,
 and a token written leaves the window when WINDOW newer ones came. The window
 holds what a token's codes miss (`quantize_residual`): at most half a step of
-its group, rounded in 8 - bits bits (4, or 8 for 2-bit codes) on that step,
-with no scale of its own. A 4-bit token's window entry so takes half of what
-8-bit codes would, about as faithful (a 14th of the codes' step, against
-8-bit codes' 17th). Its bytes are counted and priced
-(`window_bytes`). Under a budget it takes about the same share of a head's
-bytes at every budget: 128 times the budget, from 16 to 64
-(cache.budget_window).
+its group, rounded in 8 - bits bits (4, or 8 after 2-bit codes) on that step,
+with no scale of its own. At 4 bits a token's key and value so take 64 bytes
+in a head's window (D = 64) where 8-bit codes took 144, read back about as
+faithfully (to a 14th of the codes' step, against 8-bit codes' 17th). Its
+bytes are counted and priced (`window_bytes`). Under a budget it takes about
+the same share of a head's bytes at every budget: 128 times the budget, from
+16 to 64 (cache.budget_window).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.
@@ -61,7 +61,7 @@ WINDOW = 32
 # The window's precision, codes and what they miss together: 8 bits took 0.017
 # of a 16-bit cache's bytes off the uniform 4-bit cache for 2-4% more KL on three
 # texts, where 16 tokens in 16 bits instead of 32 (0.020 fewer) cost 22%; held as
-# what the codes miss, 0.0xx more (studies/README.md, quant_grouping).
+# what 4-bit codes miss, 0.012 more for 2% (studies/README.md, quant_grouping).
 WINDOW_BITS = 8
 
 
@@ -169,8 +169,9 @@ def read_back(x: torch.Tensor, bits: int, window: bool = False) -> torch.Tensor:
     the codes and what they miss."""
     stored = quantize(x, bits)
     y = dequantize(*stored, bits)
-    return y + dequantize_residual(quantize_residual(x, *stored, bits), stored[1], bits) \
-        if window else y
+    if window:
+        y += dequantize_residual(quantize_residual(x, *stored, bits), stored[1], bits)
+    return y
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

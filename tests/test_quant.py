@@ -42,6 +42,42 @@ def test_rounding_is_within_half_a_step(bits):
     torch.testing.assert_close(top, grouped.amax(-1), atol=0, rtol=4e-3)
 
 
+@pytest.mark.parametrize("bits, levels", [(4, 14), (2, 254)])
+def test_a_window_reads_what_the_codes_miss(bits, levels):
+    """quant.quantize_residual: the codes plus what they miss, each number within half a
+    residual step (the codes' step over `levels`), about 8 bits' rounding; a number between two
+    codes reads the same from either (a rounding boundary moves no window)."""
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(5, 3, 64, generator=g) * torch.logspace(-2, 2, 64)
+    codes, scale, low = quantize(x, bits)
+    assert quant.residual_bits(bits) == {4: 4, 2: 8}[bits]
+    residue = quant.quantize_residual(x, codes, scale, low, bits)
+    assert residue.shape == (5, 3, 64 * quant.residual_bits(bits) // 8)
+    y = dequantize(codes, scale, low, bits) + quant.dequantize_residual(residue, scale, bits)
+    torch.testing.assert_close(y, quant.read_back(x, bits, window=True), atol=0, rtol=0)
+    step = scale.float().repeat_interleave(GROUP, -1)
+    bound = step / levels / 2 + low.float().abs().repeat_interleave(GROUP, -1) * 2 ** -10 + \
+        x.abs() * 2 ** -9
+    assert ((x - y).abs() <= bound).all()
+    eight = dequantize(*quantize(x, 8), 8)
+    assert (x - y).abs().mean() < 1.3 * (x - eight).abs().mean()  # about as close as 8 bits
+    # A number halfway between codes 2 and 3 of its group, read from either.
+    c, s, lo = codes[:1, :1], scale[:1, :1], low[:1, :1]
+    half = x[:1, :1].clone()
+    half[..., 1] = lo[..., 0].float() + 2.5 * s[..., 0].float()
+    reads = [dequantize(c2, s, lo, bits) + quant.dequantize_residual(
+        quant.quantize_residual(half, c2, s, lo, bits), s, bits)
+        for c2 in (_with_code(c, 1, 2, bits), _with_code(c, 1, 3, bits))]
+    torch.testing.assert_close(reads[0][..., 1], reads[1][..., 1], atol=1e-6 * float(s[..., 0]),
+                               rtol=0)
+
+
+def _with_code(packed, j, code, bits):
+    c = unpack(packed, bits).clone()
+    c[..., j] = code
+    return pack(c, bits)
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_packing_is_undone_exactly(bits):
     codes = torch.randint(0, 1 << bits, (7, 64), dtype=torch.uint8)
