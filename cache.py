@@ -71,11 +71,12 @@ UNRESERVED = ("a compressed cache's decode step ran without its reservation: cal
 
 
 def budget_window(kv_budget: float) -> int:
-    """The newest tokens a 4- or 2-bit head keeps to about 8 bits under the default's budget: 128
-    times the budget, from 16 to 64, about a tenth of a head's bytes at every budget. In 8 bits
-    this lost less KL than 64 times (8 to 32) at an eighth, a quarter and a half on three texts,
-    and 256 times (32 to 128) more (studies/README.md, evaluate, "Precision")."""
-    return min(64, max(16, round(128 * kv_budget)))
+    """The newest tokens a 4- or 2-bit head keeps to about 8 bits under the default's budget: 256
+    times the budget, from 32 to 128, about a tenth of a head's bytes at every budget. Held as
+    what 4-bit codes miss, this lost less KL than 128 times (16 to 64) on three texts at an
+    eighth, a quarter and a half, or as much; in 8 bits 128 times lost least (studies/README.md,
+    evaluate, "Precision")."""
+    return min(128, max(32, round(256 * kv_budget)))
 
 
 @dataclass(frozen=True)

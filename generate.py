@@ -304,8 +304,8 @@ def parse_args(argv=None):
                    help="read each prompt in pieces of N tokens (peak memory follows the cache)")
     p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]",
                    help="store keys and values in 16, 8, 4 or 2 bits (at 4 and 2, each head's "
-                        "newest 32 tokens to about 8 bits as well; under fastgen's budget 128 x "
-                        "the budget, 16 to 64, unless --ask-after); several: fastgen chooses each "
+                        "newest 32 tokens to about 8 bits as well; under fastgen's budget 256 x "
+                        "the budget, 32 to 128, unless --ask-after); several: fastgen chooses each "
                         "head's, e.g. 16,8,4 (default: the model's dtype)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="also load *.bin/*.pth weights (pickles can run code)")

@@ -36,8 +36,8 @@ with no scale of its own. At 4 bits a token's key and value so take 64 bytes
 in a head's window (D = 64) where 8-bit codes took 144, read back about as
 faithfully (to a 14th of the codes' step, against 8-bit codes' 17th). Its
 bytes are counted and priced (`window_bytes`). Under a budget it takes about
-the same share of a head's bytes at every budget: 128 times the budget, from
-16 to 64 (cache.budget_window).
+the same share of a head's bytes at every budget: 256 times the budget, from
+32 to 128 (cache.budget_window).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.

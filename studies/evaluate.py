@@ -649,9 +649,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice). On a "
                    "machine shared with other jobs, 1 avoids threads waiting on each other: a "
                    "decode step is thousands of small ops")
-    p.add_argument("--window", type=int, help="newest tokens a rounding head keeps in 16 bits "
-                   "(default: quant.WINDOW, 32, and under a budget cache.budget_window, 64 x the "
-                   "budget from 8 to 32); 0 keeps none")
+    p.add_argument("--window", type=int, help="newest tokens a rounding head keeps to about 8 "
+                   "bits (default: quant.WINDOW, 32, and under a budget cache.budget_window, 256 x "
+                   "the budget from 32 to 128); 0 keeps none")
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
     a = p.parse_args(argv)

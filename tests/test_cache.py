@@ -445,9 +445,9 @@ def test_cache_options_run_the_core_s_methods():
     assert default == cache.default_method(0.5)
     assert (default.policies, default.kv_budget) == (tuple(menu(by="mean")), 0.5)
     assert (default.rows, default.span, default.weigh_values) == (32, 16, True)
-    # The window of newest tokens in 8 bits: 128 x the budget, from 16 to 64.
+    # The window of newest tokens: 256 x the budget, from 32 to 128.
     assert [cache.default_method(b, (16, 8, 4)).window for b in (0.05, 0.125, 0.25, 0.5, 0.75)] \
-        == [16, 16, 32, 64, 64]
+        == [32, 32, 64, 128, 128]
     assert cache.default_method(0.125, (16, 8, 4), reread=True).window is None  # quant.WINDOW
     assert method(CacheOptions("fastgen", kv_budget=0.3, kv_bits=(16, 4))) == \
         cache.default_method(0.3, (16, 4))
