@@ -74,8 +74,8 @@ def budget_window(kv_budget: float) -> int:
     """The newest tokens a 4- or 2-bit head keeps to about 8 bits under the default's budget: 256
     times the budget, from 32 to 128, about a tenth of a head's bytes at every budget. Held as
     what 4-bit codes miss, this lost less KL than 128 times (16 to 64) on three texts at an
-    eighth, a quarter and a half, or as much; in 8 bits 128 times lost least (studies/README.md,
-    evaluate, "Precision")."""
+    eighth, a quarter and a half, or as much (news at a half aside); in 8 bits 128 times lost
+    least (studies/README.md, evaluate, "Precision")."""
     return min(128, max(32, round(256 * kv_budget)))
 
 
