@@ -240,7 +240,10 @@ class Pool(nn.Module, abc.ABC):
         k, v = ((t.transpose(1, 2).reshape(-1, D).index_select(0, rows)) for t in (k, v))
         for bits, first, n in self.parts:
             at = slice(first * P, (first + n) * P)
-            for name, t in self.encode(bits, k[at], v[at], slot_seg[at]).items():
+            ks, vs = k[at], v[at]
+            if rounds(bits):
+                ks, vs = self.prepare(ks, vs, slot_seg[at])
+            for name, t in self.encode(bits, ks, vs).items():
                 t = self.keys(t) if name == "k" else t.view(-1, P, *t.shape[1:])
                 self.register_buffer(name, t, persistent=False)
             if windowed(bits):  # the window starts with the newest tokens kept of the prompt
@@ -252,22 +255,21 @@ class Pool(nn.Module, abc.ABC):
                 pos = self.pos.view(-1)[at].masked_fill(slots < 0, -1)
                 mine = (at - first * P).clamp(min=0)  # the part's own slots
                 codes = [getattr(self, name).flatten(0, 1)[mine] for name in stored(bits)]
-                self.remember(bits, segs, k[at], v[at], pos, at, codes)
+                self.remember(bits, segs, ks[mine], vs[mine], pos, at, codes)
         self.hide()
         self.mark_dynamic()
 
-    def encode(self, bits, k, v, seg=None) -> dict:
-        """Rows of k, v (n, D) as the part stores them; seg: their segments when rounding, as
-        many consecutive rows each (None: every segment, in order)."""
+    def encode(self, bits, k, v) -> dict:
+        """Rows of k, v (n, D) as the part stores them (a rounding part's `prepare`d)."""
         if not rounds(bits):  # the model's dtype (a no-op) or 16 bits
             dtype = self.dtype if bits is None else storage_dtype(bits, self.dtype)
             return dict(k=k.to(dtype), v=v.to(dtype))
-        k, v = self.prepare(k, v, seg)
         return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
 
     def prepare(self, k, v, seg=None):
         """Rows of k, v (..., D) as a rounding part rounds them: keys over their factors, both
-        rotated; seg as `encode`'s."""
+        rotated. seg: their segments, as many consecutive rows each (None: every segment, in
+        order)."""
         f = self.key_factors if seg is None else self.key_factors.index_select(0, seg)
         k = (k.reshape(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
         return self.turn(k), self.turn(v)
@@ -329,7 +331,9 @@ class Pool(nn.Module, abc.ABC):
                     segs[:, None] * per + torch.arange(per, device=segs.device)).view(-1)
                 at = slot.index_select(0, rows) - self.part_start[i]
             ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
-            encoded = self.encode(bits, ks, vs, segs)
+            if rounds(bits):  # once, for the codes and for the window's residues
+                ks, vs = self.prepare(ks, vs, segs)
+            encoded = self.encode(bits, ks, vs)
             for name, t in encoded.items():
                 if name == "k":
                     self.write_key(at, t)
@@ -410,9 +414,8 @@ class Pool(nn.Module, abc.ABC):
                 torch.zeros(n, width, dtype=torch.long, device=device)]
 
     def remember(self, bits, segs, k, v, pos, slot, codes):
-        """Segments segs wrote k, v (n, c, D) at pos, slot (n, c), stored as `codes` (the part's
-        six tensors, (n, c, ...)): each window keeps what the newest miss."""
-        k, v = self.prepare(k, v, segs)
+        """Segments segs wrote k, v (n, c, D), `prepare`d, at pos, slot (n, c), stored as `codes`
+        (the part's six tensors, (n, c, ...)): each window keeps what the newest miss."""
         names = window(bits)
         new = (quantize_residual(k, *codes[:3], bits), quantize_residual(v, *codes[3:], bits),
                pos.to(torch.int32), slot)
