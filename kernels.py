@@ -23,20 +23,29 @@ from profiling import READ_NORM, Profile, read_score
 
 # --- A decode step over the pool ------------------------------------------------
 
-def paged_attention(q, k, v, empty, owner):
+def paged_attention(q, k, v, empty, owner, window=None):
     """One query per segment over its pages.
 
     q: (S, G, D); k: (N, D, P) and v: (N, P, D) pages; empty: (N, P) bool, the
-    slots that hold nothing; owner: (N,) the segment of each page. Returns the
-    output (S, G, D) and the attention each slot got, (N, P) in float32,
-    averaged over the G query heads. The softmax of a segment spans its pages:
-    each page's maximum and sum are combined per segment, and the pages' outputs
-    by a product with the (S, N) matrix of which page is whose: compiled, a
-    scatter of the outputs adds atomically, which ran slower on CPU.
+    slots that hold nothing; owner: (N,) the segment of each page; window: None
+    or (at (E,), rk, rv (E, D)): what slots at lack of their keys and values,
+    added to their scores and outputs. Returns the output (S, G, D) and the
+    attention each slot got, (N, P) in float32, averaged over the G query heads.
+    The softmax of a segment spans its pages: each page's maximum and sum are
+    combined per segment, and the pages' outputs by a product with the (S, N)
+    matrix of which page is whose: compiled, a scatter of the outputs adds
+    atomically, which ran slower on CPU.
     """
     S, G, D = q.shape
     N, P = empty.shape
     scores = ((q.index_select(0, owner) @ k) / math.sqrt(D)).float()  # (N, G, P)
+    if window is not None:
+        at, rk, rv = window
+        page, col, seg = at // P, at % P, owner.index_select(0, at // P)
+        heads = torch.arange(G, device=q.device)
+        qs = q.index_select(0, seg)  # (E, G, D)
+        extra = (qs @ rk[..., None]).squeeze(-1).float() / math.sqrt(D)  # (E, G)
+        scores = scores.index_put((page[:, None], heads, col[:, None]), extra, accumulate=True)
     scores = scores.masked_fill(empty[:, None], -math.inf)
     mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
     page_top = scores.amax(-1)  # (N, G)
@@ -52,6 +61,9 @@ def paged_attention(q, k, v, empty, owner):
     total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
     probs = e / total.index_select(0, owner)[..., None]
     y = mine.float() @ (probs.to(v.dtype) @ v).float().view(N, G * D)
+    if window is not None:
+        got = probs[page[:, None], heads, col[:, None]]  # (E, G)
+        y = y.view(S, G, D).index_add(0, seg, got[..., None] * rv[:, None].float()).view(S, -1)
     return y.view(S, G, D).to(v.dtype), probs.mean(1)
 
 

@@ -274,24 +274,31 @@ class Pool(nn.Module, abc.ABC):
         k = (k.reshape(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
         return self.turn(k), self.turn(v)
 
-    def read(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
-        """A part's K (n, D, P) and V (n, P, D) in the model's dtype, windows applied."""
+    def read(self, bits, window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """A part's K (n, D, P) and V (n, P, D) in the model's dtype; with `window`, its window's
+        residues added (`residues`)."""
         if not rounds(bits):
             return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
         codes = [getattr(self, name) for name in stored(bits)]
         k, v = dequantize(*codes[:3], bits, self.dtype), dequantize(*codes[3:], bits, self.dtype)
-        if not windowed(bits):
-            return k.transpose(1, 2), v
-        *residues, pos, slot = (getattr(self, name) for name in window(bits))
-        # An entry whose token was evicted, or whose slot another took, reads nothing.
-        held = (self.pos.view(-1)[slot] == pos) & (pos >= 0)  # (n, WINDOW)
-        first = self.part_start[self.precisions.index(bits)] if self.part_rows else 0
-        at = torch.where(held, slot - first, 0).view(-1)
-        for x, r, scale in zip((k, v), residues, (codes[1], codes[4])):  # plus what codes miss
-            scale = scale.flatten(0, 1).index_select(0, at)
-            change = dequantize_residual(r.flatten(0, 1), scale, bits, x.dtype)
-            x.view(-1, x.shape[-1]).index_add_(0, at, change.masked_fill_(~held.view(-1, 1), 0))
+        if window and windowed(bits):
+            at, *residues = self.residues(bits)
+            for x, r in zip((k, v), residues):
+                x.view(-1, x.shape[-1]).index_add_(0, at, r)
         return k.transpose(1, 2), v
+
+    def residues(self, bits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A part's window: each entry's slot in the part (E,), and what the codes miss of its
+        key and value (E, D) in the model's dtype; 0 for an entry whose token was evicted, or
+        whose slot another took."""
+        *residues, pos, slot = (getattr(self, name) for name in window(bits))
+        held = ((self.pos.view(-1)[slot] == pos) & (pos >= 0)).view(-1, 1)  # (E, 1)
+        first = self.part_start[self.precisions.index(bits)] if self.part_rows else 0
+        at = torch.where(held[:, 0], slot.view(-1) - first, 0)
+        scales = (getattr(self, name).flatten(0, 1).index_select(0, at)
+                  for name in stored(bits)[1::3])  # of K and V
+        return at, *(dequantize_residual(r.flatten(0, 1), scale, bits, self.dtype).masked_fill_(
+            ~held, 0) for r, scale in zip(residues, scales))
 
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (N, D, P) and V (N, P, D) of every part, in the model's dtype, as stored: a
@@ -419,12 +426,19 @@ class Pool(nn.Module, abc.ABC):
         names = window(bits)
         new = (quantize_residual(k, *codes[:3], bits), quantize_residual(v, *codes[3:], bits),
                pos.to(torch.int32), slot)
-        both = [torch.cat([getattr(self, name), x.to(getattr(self, name).dtype)], 1)
-                for name, x in zip(names, new)]
-        top = both[-2].topk(getattr(self, names[-2]).shape[1], dim=1).indices  # (n, width)
-        for name, t in zip(names, both):
-            at = top.view(*top.shape, *[1] * (t.dim() - 2)).expand(*top.shape, *t.shape[2:])
-            getattr(self, name).copy_(t.gather(1, at))
+        held = [getattr(self, name) for name in names]
+        if pos.shape[1] == 1:
+            # A decode step: its token, newer than any held, takes the oldest's place. The
+            # general merge below (cat, top-k, gather) cost 0.4 ms a layer at 2k x 8 compiled.
+            col = held[-2].argmin(1, keepdim=True)  # (n, 1)
+            for t, x in zip(held, new):
+                t.scatter_(1, col.view(-1, 1, *[1] * (t.dim() - 2)).expand_as(x), x.to(t.dtype))
+            return
+        both = [torch.cat([t, x.to(t.dtype)], 1) for t, x in zip(held, new)]
+        top = both[-2].topk(held[-2].shape[1], dim=1).indices  # (n, width)
+        for t, b in zip(held, both):
+            at = top.view(*top.shape, *[1] * (b.dim() - 2)).expand(*top.shape, *b.shape[2:])
+            t.copy_(b.gather(1, at))
 
     def relink(self):
         """After slots moved: each window entry pointed at its token's new slot or, if gone, at
@@ -587,9 +601,12 @@ class PagedPool(Pool):
         # them all again each step.
         q, y, last, empty, first = self.turned(q, 1), 0, [], self.pos < 0, 0
         for bits in self.precisions:
-            k, v = self.read(bits)
+            # A window's residues corrected in the scores and outputs: added to K and V, they
+            # made the step copy both, 2 ms a layer at 2k x 8 (studies/README.md, bench).
+            k, v = self.read(bits, window=False)
             at = slice(first, first + len(v))  # sizes from the tensors: growth needs no new graph
-            y_part, last_part = paged_attention(q, k, v, empty[at], self.owner[at])
+            y_part, last_part = paged_attention(q, k, v, empty[at], self.owner[at],
+                                                self.residues(bits) if windowed(bits) else None)
             y, last, first = y + y_part, last + [last_part], first + len(v)
         return self.turned(y), last[0] if len(last) == 1 else torch.cat(last)
 
