@@ -41,7 +41,8 @@ def paged_attention(q, k, v, empty, owner, window=None):
     scores = ((q.index_select(0, owner) @ k) / math.sqrt(D)).float()  # (N, G, P)
     if window is not None:
         at, rk, rv = window
-        page, col, seg = at // P, at % P, owner.index_select(0, at // P)
+        page, col = at // P, at % P
+        seg = owner.index_select(0, page)
         heads = torch.arange(G, device=q.device)
         qs = q.index_select(0, seg)  # (E, G, D)
         extra = (qs @ rk[..., None]).squeeze(-1).float() / math.sqrt(D)  # (E, G)
@@ -60,11 +61,11 @@ def paged_attention(q, k, v, empty, owner, window=None):
     e = (scores - top.index_select(0, owner)[..., None]).exp()
     total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
     probs = e / total.index_select(0, owner)[..., None]
-    y = mine.float() @ (probs.to(v.dtype) @ v).float().view(N, G * D)
+    y = (mine.float() @ (probs.to(v.dtype) @ v).float().view(N, G * D)).view(S, G, D)
     if window is not None:
         got = probs[page[:, None], heads, col[:, None]]  # (E, G)
-        y = y.view(S, G, D).index_add(0, seg, got[..., None] * rv[:, None].float()).view(S, -1)
-    return y.view(S, G, D).to(v.dtype), probs.mean(1)
+        y = y.index_add(0, seg, got[..., None] * rv[:, None].float())
+    return y.to(v.dtype), probs.mean(1)
 
 
 def masked_attention(q, k, v, bias):

@@ -274,14 +274,14 @@ class Pool(nn.Module, abc.ABC):
         k = (k.reshape(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
         return self.turn(k), self.turn(v)
 
-    def read(self, bits, window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """A part's K (n, D, P) and V (n, P, D) in the model's dtype; with `window`, its window's
+    def read(self, bits, with_window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """A part's K (n, D, P) and V (n, P, D) in the model's dtype; `with_window`, its window's
         residues added (`residues`)."""
         if not rounds(bits):
             return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
         codes = [getattr(self, name) for name in stored(bits)]
         k, v = dequantize(*codes[:3], bits, self.dtype), dequantize(*codes[3:], bits, self.dtype)
-        if window and windowed(bits):
+        if with_window and windowed(bits):
             at, *residues = self.residues(bits)
             for x, r in zip((k, v), residues):
                 x.view(-1, x.shape[-1]).index_add_(0, at, r)
@@ -428,11 +428,15 @@ class Pool(nn.Module, abc.ABC):
                pos.to(torch.int32), slot)
         held = [getattr(self, name) for name in names]
         if pos.shape[1] == 1:
-            # A decode step: its token, newer than any held, takes the oldest's place. The
-            # general merge below (cat, top-k, gather) cost 0.4 ms a layer at 2k x 8 compiled.
+            # One token: it takes the oldest entry's place if newer (a padded one, -1, is not),
+            # as the merge below would; that merge (cat, top-k, gather) cost 0.4 ms a layer at
+            # 2k x 8 compiled, each decode step.
             col = held[-2].argmin(1, keepdim=True)  # (n, 1)
+            newer = pos.to(held[-2].dtype) > held[-2].gather(1, col)
             for t, x in zip(held, new):
-                t.scatter_(1, col.view(-1, 1, *[1] * (t.dim() - 2)).expand_as(x), x.to(t.dtype))
+                at = col.view(-1, 1, *[1] * (t.dim() - 2)).expand_as(x)
+                keep = newer.view(-1, 1, *[1] * (t.dim() - 2))
+                t.scatter_(1, at, torch.where(keep, x.to(t.dtype), t.gather(1, at)))
             return
         both = [torch.cat([t, x.to(t.dtype)], 1) for t, x in zip(held, new)]
         top = both[-2].topk(held[-2].shape[1], dim=1).indices  # (n, width)
@@ -603,7 +607,7 @@ class PagedPool(Pool):
         for bits in self.precisions:
             # A window's residues corrected in the scores and outputs: added to K and V, they
             # made the step copy both, 2 ms a layer at 2k x 8 (studies/README.md, bench).
-            k, v = self.read(bits, window=False)
+            k, v = self.read(bits, with_window=False)
             at = slice(first, first + len(v))  # sizes from the tensors: growth needs no new graph
             y_part, last_part = paged_attention(q, k, v, empty[at], self.owner[at],
                                                 self.residues(bits) if windowed(bits) else None)
