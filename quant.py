@@ -129,7 +129,9 @@ def dequantize(codes, scale, low, bits: int, dtype=torch.float32) -> torch.Tenso
     *lead, D = c.shape
     groups = scale.shape[-1]
     g = c.view(*lead, groups, D // groups).to(dtype)
-    return (g * scale[..., None].to(dtype) + low[..., None].to(dtype)).view(*lead, D)
+    # In place: eager, a third faster than a new tensor for each (studies/README.md, bench,
+    # "Eager dequantization").
+    return g.mul_(scale[..., None].to(dtype)).add_(low[..., None].to(dtype)).view(*lead, D)
 
 
 def residual_bits(bits: int) -> int:
@@ -160,8 +162,8 @@ def dequantize_residual(rcodes, scale, bits: int, dtype=torch.float32) -> torch.
     half = (1 << rbits) // 2 - 1
     c = unpack(rcodes, rbits)
     *lead, D = c.shape
-    g = (c.view(*lead, scale.shape[-1], -1).to(dtype) - half) / (2 * half)
-    return (g * scale[..., None].to(dtype)).view(*lead, D)
+    g = c.view(*lead, scale.shape[-1], -1).to(dtype).sub_(half).div_(2 * half)
+    return g.mul_(scale[..., None].to(dtype)).view(*lead, D)
 
 
 def read_back(x: torch.Tensor, bits: int, window: bool = False) -> torch.Tensor:
