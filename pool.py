@@ -434,9 +434,9 @@ class Pool(nn.Module, abc.ABC):
             col = held[-2].argmin(1, keepdim=True)  # (n, 1)
             newer = pos.to(held[-2].dtype) > held[-2].gather(1, col)
             for t, x in zip(held, new):
-                at = col.view(-1, 1, *[1] * (t.dim() - 2)).expand_as(x)
-                keep = newer.view(-1, 1, *[1] * (t.dim() - 2))
-                t.scatter_(1, at, torch.where(keep, x.to(t.dtype), t.gather(1, at)))
+                shape = (-1, 1) + (1,) * (t.dim() - 2)  # (n, 1) against t's (n, width, ...)
+                at = col.view(shape).expand_as(x)
+                t.scatter_(1, at, torch.where(newer.view(shape), x.to(t.dtype), t.gather(1, at)))
             return
         both = [torch.cat([t, x.to(t.dtype)], 1) for t, x in zip(held, new)]
         top = both[-2].topk(held[-2].shape[1], dim=1).indices  # (n, width)
