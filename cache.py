@@ -9,7 +9,8 @@ policy for every head (`fixed_method`). In the order it runs:
 2. Decide (`decide`): profile how much of each segment's prompt attention each policy recovers
    (profiling.py); choose its policy (the paper's rule: the shortlist's first to reach the
    threshold; under a byte budget, the menu items losing a sequence's heads the least attention,
-   one knapsack for SCOPE layers); keep what it keeps of the prompt in a pool sized to it (pool.py).
+   one knapsack for SCOPE layers, where a head that copies, found once per model (`copy_heads`),
+   keeps every token); keep what it keeps of the prompt in a pool sized to it (pool.py).
 3. Decode (`FastGenCache.decode`): write the token to a free slot of its segment, attend to
    all the segment holds, add each held token's attention to its score (heavy hitters stay live).
 4. Between steps (`reserve`): every `evict_every` tokens, free what each policy lets go; hand
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +39,9 @@ import pool
 from kernels import flash_reread_sums, flash_sums
 from model import Cache, causal_attention
 from policies import Full, Policy, Slots, baseline, menu, shortlist
-from profiling import (Profile, attention_sums, choose, fit_budgets, held_profile, local_ratios,
-                       precision_errors, prompt_slots, recoveries, reread_profile, reread_sums,
-                       squared_losses, weigh)
+from profiling import (COPY_SHARE, Profile, attention_sums, choose, fit_budgets, held_profile,
+                       induction_scores, local_ratios, precision_errors, prompt_slots, recoveries,
+                       reread_profile, reread_sums, squared_losses, weigh)
 from quant import rounds, token_bytes, window_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
@@ -60,6 +62,8 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # which outweigh a reading already: there it is not weighed, as 1/4 lost every chat recall
 # (studies/README.md, ask_after).
 READ_WEIGHT = 0.25
+# Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE).
+COPY_PROBE = 96
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
@@ -104,6 +108,8 @@ class Method:
         it, and by its last rows: each head is worth the score it keeps, not its squared loss
     window : int, optional
         newest tokens a 4- or 2-bit head also keeps to about 8 bits (pool.py); None: quant.WINDOW
+    copies : bool, default False
+        a KV head that copies (`copy_heads`) takes only a policy that keeps every token
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
@@ -115,6 +121,7 @@ class Method:
     evict_every: int | None = None
     reread: bool = False
     window: int | None = None
+    copies: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "policies", tuple(self.policies))
@@ -138,13 +145,18 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
 
 
 def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
-    """FastGen's default: the menu under a byte budget, heavy hitters by mean attention."""
+    """FastGen's default: the menu under a byte budget, heavy hitters by mean attention; with
+    several precisions, where the menu has Full below 16 bits, the heads that copy keep every
+    token. In the model's dtype a head kept whole costs too much: at a quarter, 5 of 90 took 22%
+    of the budget and lost more than they saved (studies/README.md, copy_heads)."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
-    # Read again, neither carries: each token is scored by what copying it took, and the window
-    # stays quant.WINDOW: 16 found one needle fewer in 32 (studies/README.md, ask_after).
+    # Read again, neither carries nor marks heads that copy: each token is scored by what copying
+    # it took, and the window stays quant.WINDOW: 16 found one needle fewer in 32
+    # (studies/README.md, ask_after).
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
                   weigh_values=not reread, reread=reread,
-                  window=None if reread else budget_window(kv_budget))
+                  window=None if reread else budget_window(kv_budget),
+                  copies=not reread and any(p.keeps_all for p in policies))
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
@@ -195,11 +207,13 @@ class FastGenCache(Cache):
         the layers that decide together; None: this one alone
     eager : bool, default True
         a small pool may be laid out for masked attention (pool.MaskedPool)
+    copies : (n_kv_heads,) bool tensor, optional
+        the KV heads that copy (`copy_heads`), where `method.copies`
     """
 
     def __init__(self, method: Method, prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, page: int | None = None, pending: Pending | None = None,
-                 eager: bool = True):
+                 eager: bool = True, copies=None):
         super().__init__()
         if page is not None and page < 1:
             raise ValueError(f"page must be at least 1 (got {page})")
@@ -219,6 +233,9 @@ class FastGenCache(Cache):
         self.max_new_tokens, self.n_kv_heads = max_new_tokens, n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
         self.register_buffer("token_flags", token_flags, persistent=False)
+        # (S,): the segments that may take only a policy keeping every token (`evicting_copies`).
+        copies = torch.zeros(n_kv_heads, dtype=torch.bool) if copies is None else copies
+        self.copies = copies.to(lens.device).repeat(len(lens))
         self.pool = None  # built by `compress`
         self.choice = self.recovery = None  # the plan, (S,) and (S, len(policies))
         self.clock = Clock()
@@ -434,6 +451,7 @@ class FastGenCache(Cache):
             values = values - self.errors
         costs = costs * unit + window
         self.recovery = values
+        values = values.masked_fill(evicting_copies([self]), -math.inf)
         heads = self.pending.heads
         if self.method.kv_budget is None:
             choice = choose(values, self.method.recovery)
@@ -628,16 +646,17 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
             c.recovery = None
             c.choice = prompt.pos.new_zeros(len(prompt.pos) // L, dtype=torch.long)
         return
+    offered = recovery.masked_fill(evicting_copies(caches), -math.inf).view(L, -1, M)
     recovery = recovery.view(L, -1, M)  # (L, S, M)
     first, heads = caches[0], caches[0].pending.heads
-    for c, r in zip(caches, recovery):
+    for c, r, o in zip(caches, recovery, offered):
         c.recovery = r
-        c.choice = choose(r, c.method.recovery) if c.method.kv_budget is None else None
+        c.choice = choose(o, c.method.recovery) if c.method.kv_budget is None else None
     if first.method.kv_budget is not None:
         new = first.max_new_tokens - 1
         unit, window, full_unit = first.token_bytes()  # in tokens, or in bytes with `bits`
         costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
-        values = worth(first.method, recovery)
+        values = worth(first.method, offered)
         if heads is not None:  # tensor parallel: every rank solves for every head
             values, costs = heads.gather(values), heads.gather(costs)
         # Each sequence's budget: a share of what its full cache would hold in these layers.
@@ -651,6 +670,15 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
                                        spent, budgets, reads):
             c.choice, c.reads_last = pick, r
             c.share = first.method.kv_budget * cost / b.clamp(min=1)  # (B,) what it took
+
+
+def evicting_copies(caches: list[FastGenCache]) -> torch.Tensor:
+    """(L * S, M): where `Method.copies`, a segment that copies may take only a policy keeping
+    every token, if the menu has one."""
+    first = caches[0]
+    keeps_all = torch.tensor([p.keeps_all for p in first.policies], device=first.copies.device)
+    copies = torch.cat([c.copies for c in caches])[:, None]
+    return copies & ~keeps_all & (first.method.copies and bool(keeps_all.any()))
 
 
 def worth(method: Method, recovery) -> torch.Tensor:
@@ -773,5 +801,39 @@ def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, toke
     flags = token_flags.to(device)
     L = len(model.layers)
     pending = Pending(L, every=SCOPE if method.kv_budget is not None else None, heads=heads)
+    copies = copy_heads(model, flags) if method.copies else [None] * L
     return [FastGenCache(method, lens, max_new_tokens, model.args.n_kv_heads, flags, page=page,
-                         pending=pending, eager=eager) for _ in model.layers]
+                         pending=pending, eager=eager, copies=c) for c in copies]
+
+
+class CopyProbe(Cache):
+    """A layer's stand-in cache over `copy_heads`' probe: it notes each KV head's induction score."""
+
+    def forward(self, q, k, v, input_pos, tokens):
+        self.scores = induction_scores(q, k)
+        return causal_attention(q, k, v)
+
+    def nbytes(self) -> int:
+        return 0
+
+
+_copies = weakref.WeakKeyDictionary()  # model -> its copy heads
+
+
+@torch.no_grad()
+def copy_heads(model, token_flags) -> torch.Tensor:
+    """(layers, K) bool: the KV heads that copy (profiling.COPY_SHARE), found once per model over
+    COPY_PROBE random tokens said twice, drawn from those neither special nor punctuation."""
+    if model not in _copies:
+        plain = (token_flags == 0).nonzero()[:, 0].cpu()
+        draw = torch.randint(len(plain), (COPY_PROBE,), generator=torch.Generator().manual_seed(0))
+        tokens = plain[draw].repeat(2)[None].to(token_flags.device)
+        held, probes = model.caches(), [CopyProbe() for _ in model.layers]
+        model.setup_caches(probes)
+        try:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            model(tokens, positions, logits_at=tokens.new_zeros(1))
+        finally:
+            model.setup_caches(held)
+        _copies[model] = torch.stack([p.scores for p in probes]) >= COPY_SHARE
+    return _copies[model]

@@ -1,0 +1,124 @@
+"""Which heads copy, and are they the heads a text's far copies read?
+
+`cache.copy_heads` marks a KV head as copying by a probe: random tokens said
+twice, and the attention each row of the repeat gives the token after its own
+earlier occurrence (an induction head). This prints every KV head's probe
+score over three draws, then, for windows of real text continued by the full
+cache, the attention the continuation's rows give the tokens that follow an
+earlier occurrence of their last two tokens more than 64 tokens back: what a
+far copy reads.
+
+    python -m studies.copy_heads --text news --windows 30 --out results/copy_heads/news
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+PROMPT, NEW, NEAR = 768, 64, 64  # text windows as studies.evaluate's; nearer repeats are local
+
+
+def probe_scores(model, flags, draws: int = 3) -> torch.Tensor:
+    """(draws, layers, K) induction scores over COPY_PROBE random plain tokens said twice."""
+    import cache
+    plain = (flags == 0).nonzero()[:, 0]
+    out = []
+    for seed in range(draws):
+        g = torch.Generator().manual_seed(seed)
+        tokens = plain[torch.randint(len(plain), (cache.COPY_PROBE,), generator=g)].repeat(2)[None]
+        probes = [cache.CopyProbe() for _ in model.layers]
+        model.setup_caches(probes)
+        model(tokens, torch.arange(tokens.shape[1])[None], logits_at=tokens.new_zeros(1))
+        model.setup_caches(None)
+        out.append(torch.stack([p.scores for p in probes]))
+    return torch.stack(out)
+
+
+def far_copy_mass(recorders, ids: list[int]) -> tuple[torch.Tensor, int]:
+    """(layers, K) the attention the continuation's rows with a far repeat give the token after
+    it, the mean over those rows, the most of a KV head's query heads; and how many rows."""
+    T = len(ids)
+    target = torch.zeros(NEW, T, dtype=torch.bool)
+    for r in range(NEW):
+        i = PROMPT + r
+        for j in range(1, i - NEAR):
+            if ids[j] == ids[i] and ids[j - 1] == ids[i - 1]:
+                target[r, j + 1] = True
+    rows = target.any(1)
+    out = []
+    for rec in recorders:
+        q, k, _ = rec.qkv
+        H, K, D = q.shape[1], k.shape[1], q.shape[-1]
+        keys = k[0].repeat_interleave(H // K, 0)
+        scores = q[0, :, PROMPT:] @ keys.transpose(-1, -2) / math.sqrt(D)  # (H, NEW, T)
+        future = torch.arange(T) > torch.arange(PROMPT, T)[:, None]
+        probs = scores.masked_fill(future, -math.inf).softmax(-1)
+        mass = (probs * target).sum(-1)[:, rows].mean(1) if rows.any() else torch.zeros(H)
+        out.append(mass.view(K, H // K).amax(1))
+    return torch.stack(out), int(rows.sum())
+
+
+def table(rows: list[tuple], head: str) -> str:
+    lines = [head, "| " + " | ".join("---" for _ in head.split("|")[1:-1]) + " |"]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+@torch.no_grad()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", help="checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--text", default="news", choices=["pydoc", "news", "usenet"],
+                   help="real text (studies/textdata.py; default news)")
+    p.add_argument("--windows", type=int, default=30, help="text windows, as evaluate's (30)")
+    p.add_argument("--show", type=int, default=10, help="heads listed, by score (10)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", help="also write OUT.md (default: print only)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import cache
+    from generation import flags_of, load
+    from profiling import COPY_SHARE
+    from studies.evaluate import machine, record
+    from studies.textdata import prompts
+
+    model, tok = load(args.ckpt)
+    flags = flags_of(model, tok)
+    probe = probe_scores(model, flags)  # (draws, L, K)
+    marked = cache.copy_heads(model, flags)
+    L, K = marked.shape
+    mass, n_rows = torch.zeros(L, K), 0
+    for ids in prompts(tok, args.windows, PROMPT + NEW, PROMPT + NEW, 0, args.text):
+        recorders, *_ = record(model, [ids])
+        m, n = far_copy_mass(recorders, ids)
+        mass, n_rows = mass + m * n, n_rows + n
+    mass = mass / max(n_rows, 1)
+    order = probe.mean(0).flatten().argsort(descending=True)[:args.show]
+    rows = [(f"{int(h) // K}.{int(h) % K}",
+             " / ".join(f"{float(d.flatten()[h]):.2f}" for d in probe),
+             "yes" if bool(marked.flatten()[h]) else "",
+             f"{float(mass.flatten()[h]):.3f}",
+             int((mass.flatten() > mass.flatten()[h]).sum()) + 1) for h in order]
+    text = (f"{int(marked.sum())} of {marked.numel()} KV heads copy (probe score at least "
+            f"{COPY_SHARE}); {n_rows} continuation rows of {args.windows} {args.text} windows "
+            "read a far repeat\n\n"
+            + table(rows, "| layer.head | probe score, three draws | copies | far-copy attention "
+                          "| its rank of all heads |"))
+    print(text)
+    if args.out:
+        out = Path(args.out).with_suffix(".md")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        command = "python -m studies.copy_heads " + " ".join(argv if argv is not None
+                                                             else sys.argv[1:])
+        out.write_text(f"# Copy heads\n\nMeasured on {machine()}, torch {torch.__version__}, "
+                       f"{when}.\n\n    {command}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
