@@ -62,8 +62,12 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # which outweigh a reading already: there it is not weighed, as 1/4 lost every chat recall
 # (studies/README.md, ask_after).
 READ_WEIGHT = 0.25
-# Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE).
-COPY_PROBE = 96
+# Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE). From a
+# budget of COPY_BUDGET, with several precisions, they keep every token: it lowered KL on three
+# texts at a quarter and a half. At an eighth, kept whole at 4 bits, SmolLM2's 5 of 90 took 15%
+# of the budget and lost top-1 on all three; in the model's dtype, 22% at a quarter, and lost KL
+# (studies/README.md, copy_heads).
+COPY_PROBE, COPY_BUDGET = 96, 0.25
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
@@ -145,10 +149,9 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
 
 
 def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
-    """FastGen's default: the menu under a byte budget, heavy hitters by mean attention; with
-    several precisions, where the menu has Full below 16 bits, the heads that copy keep every
-    token. In the model's dtype a head kept whole costs too much: at a quarter, 5 of 90 took 22%
-    of the budget and lost more than they saved (studies/README.md, copy_heads)."""
+    """FastGen's default: the menu under a byte budget, heavy hitters by mean attention; from
+    COPY_BUDGET on, with several precisions (where the menu has Full below 16 bits), the heads
+    that copy keep every token."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
     # Read again, neither carries nor marks heads that copy: each token is scored by what copying
     # it took, and the window stays quant.WINDOW: 16 found one needle fewer in 32
@@ -156,7 +159,8 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
                   weigh_values=not reread, reread=reread,
                   window=None if reread else budget_window(kv_budget),
-                  copies=not reread and any(p.keeps_all for p in policies))
+                  copies=not reread and any(p.keeps_all for p in policies)
+                  and kv_budget >= COPY_BUDGET)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:

@@ -64,8 +64,10 @@ def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
     marked[0, 1] = True
     method = cache.default_method(0.25, kv_bits=(16, 8, 4))
     assert method.copies and not cache.paper_method((16, 8, 4)).copies
-    # Not where the menu has no Full (the model's dtype, or one precision), nor read again.
+    # Not where the menu has no Full (the model's dtype, or one precision), nor read again, nor
+    # under COPY_BUDGET.
     assert not any(cache.default_method(0.25, bits).copies for bits in (None, (4,)))
+    assert not cache.default_method(cache.COPY_BUDGET / 2, (16, 8, 4)).copies
     assert not cache.default_method(0.25, (16, 8, 4), reread=True).copies
     cache._copies[model] = torch.zeros_like(marked)
     before = plans(model, method, lens, flags)
