@@ -63,11 +63,12 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # (studies/README.md, ask_after).
 READ_WEIGHT = 0.25
 # Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE). From a
-# budget of COPY_BUDGET, with several precisions, they keep every token: it lowered KL on three
-# texts at a quarter and a half. At an eighth, kept whole at 4 bits, SmolLM2's 5 of 90 took 15%
-# of the budget and lost top-1 on all three; in the model's dtype, 22% at a quarter, and lost KL
-# (studies/README.md, copy_heads).
-COPY_PROBE, COPY_BUDGET = 96, 0.25
+# budget of COPY_BUDGET, with several precisions, they keep every token at COPY_BITS or more: it
+# lowered KL on three texts at a quarter and a half, and at 4 bits they garbled numbers copied
+# (3 needles of 20 at 4k). At an eighth, SmolLM2's 5 of 90 took 15% of the budget and lost top-1
+# on all three texts; in the model's dtype, 22% at a quarter, and lost KL (studies/README.md,
+# copy_heads).
+COPY_PROBE, COPY_BUDGET, COPY_BITS = 96, 0.25, 8
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
@@ -150,8 +151,8 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
 
 def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
     """FastGen's default: the menu under a byte budget, heavy hitters by mean attention; from
-    COPY_BUDGET on, with several precisions (where the menu has Full below 16 bits), the heads
-    that copy keep every token."""
+    COPY_BUDGET on, with several precisions (where the menu has Full at 8 bits), the heads that
+    copy keep every token."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
     # Read again, neither carries nor marks heads that copy: each token is scored by what copying
     # it took, and the window stays quant.WINDOW: 16 found one needle fewer in 32
@@ -159,8 +160,7 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
                   weigh_values=not reread, reread=reread,
                   window=None if reread else budget_window(kv_budget),
-                  copies=not reread and any(p.keeps_all for p in policies)
-                  and kv_budget >= COPY_BUDGET)
+                  copies=not reread and any(copying(policies, bits)) and kv_budget >= COPY_BUDGET)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
@@ -678,11 +678,18 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
 
 def evicting_copies(caches: list[FastGenCache]) -> torch.Tensor:
     """(L * S, M): where `Method.copies`, a segment that copies may take only a policy keeping
-    every token, if the menu has one."""
+    every token (`copying`), if the menu has one."""
     first = caches[0]
-    keeps_all = torch.tensor([p.keeps_all for p in first.policies], device=first.copies.device)
+    whole = torch.tensor(copying(first.policies, first.bits), device=first.copies.device)
     copies = torch.cat([c.copies for c in caches])[:, None]
-    return copies & ~keeps_all & (first.method.copies and bool(keeps_all.any()))
+    return copies & ~whole & (first.method.copies and bool(whole.any()))
+
+
+def copying(policies: list[Policy], bits) -> list[bool]:
+    """Which policies a head that copies may take: those keeping every token, at COPY_BITS or
+    more."""
+    return [p.keeps_all and (bits is None or b >= COPY_BITS)
+            for p, b in zip(policies, bits or policies)]
 
 
 def worth(method: Method, recovery) -> torch.Tensor:

@@ -51,13 +51,14 @@ def plans(model, method, lens, flags, chunk=None):
         reserve(caches)
         model(torch.randint(1, 256, (len(lens), 1)), lens_[:, None] + i)
     model.setup_caches(None)
-    return [[c.policies[i] for i in c.choice.tolist()] for c in caches]
+    return [[(c.policies[i], c.bits[i]) for i in c.choice.tolist()] for c in caches]
 
 
 def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
     """Marked as copying, the second KV head of the first layer takes a policy keeping every
-    token at a quarter of the bytes, in every sequence, also where chunks choose again; unmarked,
-    the same model's plan evicts there. Only the default in several precisions asks."""
+    token, at 8 bits or more, at a quarter of the bytes, in every sequence, also where chunks
+    choose again; unmarked, the same model's plan evicts there or rounds to 4 bits. Only the
+    default in several precisions asks."""
     model, flags, lens = tiny_model(n_layers=2), random_flags(256, 1), [48, 40]
     K = model.args.n_kv_heads
     marked = torch.zeros(2, K, dtype=torch.bool)
@@ -71,9 +72,9 @@ def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
     assert not cache.default_method(0.25, (16, 8, 4), reread=True).copies
     cache._copies[model] = torch.zeros_like(marked)
     before = plans(model, method, lens, flags)
-    assert not all(p.keeps_all for p in before[0][1::K])  # the premise: it evicts unmarked
+    assert not all(p.keeps_all and b >= 8 for p, b in before[0][1::K])  # the premise
     cache._copies[model] = marked
     for chunk in (None, 16):
         after = plans(model, method, lens, flags, chunk)
-        assert all(p.keeps_all for p in after[0][1::K])
-        assert not all(p.keeps_all for layer in after for p in layer)
+        assert all(p.keeps_all and b >= 8 for p, b in after[0][1::K])
+        assert not all(p.keeps_all for layer in after for p, _ in layer)
