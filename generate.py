@@ -307,7 +307,7 @@ def parse_args(argv=None):
                         "newest 32 tokens to about 8 bits as well; under fastgen's budget 256 x "
                         "the budget, 32 to 128, unless --ask-after); several: fastgen chooses each "
                         "head's, e.g. 16,8,4, and from --kv-budget 0.25 on keeps the heads that "
-                        "copy whole (default: the model's dtype)")
+                        "copy whole at 8 bits (default: the model's dtype)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="also load *.bin/*.pth weights (pickles can run code)")
     p.add_argument("--save-plan", help="write each head's policy and recoveries to this JSON file")
