@@ -114,7 +114,8 @@ class Method:
     window : int, optional
         newest tokens a 4- or 2-bit head also keeps to about 8 bits (pool.py); None: quant.WINDOW
     copies : bool, default False
-        a KV head that copies (`copy_heads`) takes only a policy that keeps every token
+        a KV head that copies (`copy_heads`) takes only a policy keeping every token, at COPY_BITS
+        or more (`copying`)
     """
     policies: tuple[Policy, ...]
     kv_bits: tuple[int, ...] | None = None
