@@ -62,13 +62,13 @@ READ_SINKS, READ_BEFORE = 4, 1024
 # which outweigh a reading already: there it is not weighed, as 1/4 lost every chat recall
 # (studies/README.md, ask_after).
 READ_WEIGHT = 0.25
-# Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE). From a
-# budget of COPY_BUDGET, with several precisions, they keep every token at COPY_BITS or more: it
-# lowered KL on three texts at a quarter and a half, and at 4 bits they garbled numbers copied
-# (3 needles of 20 at 4k). At an eighth, SmolLM2's 5 of 90 took 15% of the budget and lost top-1
-# on all three texts; in the model's dtype, 22% at a quarter, and lost KL (studies/README.md,
-# copy_heads).
-COPY_PROBE, COPY_BUDGET, COPY_BITS = 96, 0.25, 8
+# Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE). They
+# keep every token, at COPY_BITS or more (at 4 they garbled numbers copied: 3 needles of 20 at
+# 4k), where a head kept so costs at most COPY_COST times a head's share of the budget: in 8 bits
+# at a quarter and in the model's dtype at a half, where they lowered KL on three texts. At four
+# times (an eighth in 4 bits, a quarter in the model's dtype) the other heads lost more than they
+# gained (studies/README.md, copy_heads).
+COPY_PROBE, COPY_COST, COPY_BITS = 96, 2, 8
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
 # evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
@@ -151,17 +151,21 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
 
 
 def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
-    """FastGen's default: the menu under a byte budget, heavy hitters by mean attention; from
-    COPY_BUDGET on, with several precisions (where the menu has Full at 8 bits), the heads that
-    copy keep every token."""
+    """FastGen's default: the menu under a byte budget, heavy hitters by mean attention; the heads
+    that copy keep every token where that costs at most COPY_COST times a head's share."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
+    # A head kept whole costs COPY_BITS / 16 of a 16-bit one where the menu has Full at COPY_BITS
+    # or more; in the model's dtype all of it, and Full joins the menu for them alone.
+    whole = COPY_BITS / 16 if any(copying(policies, bits)) else 1 if bits is None else math.inf
+    copies = not reread and whole <= COPY_COST * kv_budget
+    if copies and whole == 1:
+        policies = policies + [Full()]
     # Read again, neither carries nor marks heads that copy: each token is scored by what copying
     # it took, and the window stays quant.WINDOW: 16 found one needle fewer in 32
     # (studies/README.md, ask_after).
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
                   weigh_values=not reread, reread=reread,
-                  window=None if reread else budget_window(kv_budget),
-                  copies=not reread and any(copying(policies, bits)) and kv_budget >= COPY_BUDGET)
+                  window=None if reread else budget_window(kv_budget), copies=copies)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
@@ -678,19 +682,20 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
 
 
 def evicting_copies(caches: list[FastGenCache]) -> torch.Tensor:
-    """(L * S, M): where `Method.copies`, a segment that copies may take only a policy keeping
-    every token (`copying`), if the menu has one."""
-    first = caches[0]
-    whole = torch.tensor(copying(first.policies, first.bits), device=first.copies.device)
+    """(L * S, M), where `Method.copies`, the policies not offered: to a segment that copies, any
+    but those keeping every token (`copying`); to another, Full in the model's dtype (or at 16
+    bits), on the menu for those that copy alone (`default_method`)."""
+    first, device = caches[0], caches[0].copies.device
+    whole = torch.tensor(copying(first.policies, first.bits), device=device)
+    wide = torch.tensor(copying(first.policies, first.bits, 16), device=device)
     copies = torch.cat([c.copies for c in caches])[:, None]
-    return copies & ~whole & (first.method.copies and bool(whole.any()))
+    return torch.where(copies, ~whole, wide) & first.method.copies
 
 
-def copying(policies: list[Policy], bits) -> list[bool]:
-    """Which policies a head that copies may take: those keeping every token, at COPY_BITS or
-    more."""
-    return [p.keeps_all and (bits is None or b >= COPY_BITS)
-            for p, b in zip(policies, bits or policies)]
+def copying(policies: list[Policy], bits, fewest: int = COPY_BITS) -> list[bool]:
+    """Which policies a head that copies may take: those keeping every token, at `fewest` bits
+    or more."""
+    return [p.keeps_all and (bits is None or b >= fewest) for p, b in zip(policies, bits or policies)]
 
 
 def worth(method: Method, recovery) -> torch.Tensor:

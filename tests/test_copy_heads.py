@@ -4,6 +4,7 @@ import math
 import torch
 
 import cache
+from policies import Full
 from generation import prefill
 from model import reserve
 from profiling import induction_scores
@@ -51,7 +52,8 @@ def plans(model, method, lens, flags, chunk=None):
         reserve(caches)
         model(torch.randint(1, 256, (len(lens), 1)), lens_[:, None] + i)
     model.setup_caches(None)
-    return [[(c.policies[i], c.bits[i]) for i in c.choice.tolist()] for c in caches]
+    return [[(c.policies[i], c.bits[i] if c.bits else None) for i in c.choice.tolist()]
+            for c in caches]
 
 
 def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
@@ -65,10 +67,10 @@ def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
     marked[0, 1] = True
     method = cache.default_method(0.25, kv_bits=(16, 8, 4))
     assert method.copies and not cache.paper_method((16, 8, 4)).copies
-    # Not where the menu has no Full (the model's dtype, or one precision), nor read again, nor
-    # under COPY_BUDGET.
-    assert not any(cache.default_method(0.25, bits).copies for bits in (None, (4,)))
-    assert not cache.default_method(cache.COPY_BUDGET / 2, (16, 8, 4)).copies
+    # Not where a head kept whole would cost more than COPY_COST times a head's share (an eighth
+    # at 8 bits, a quarter in the model's dtype), nor in one precision, nor read again.
+    assert not any(cache.default_method(b, bits).copies
+                   for b, bits in ((0.125, (16, 8, 4)), (0.25, None), (0.5, (4,))))
     assert not cache.default_method(0.25, (16, 8, 4), reread=True).copies
     cache._copies[model] = torch.zeros_like(marked)
     before = plans(model, method, lens, flags)
@@ -78,3 +80,22 @@ def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
         after = plans(model, method, lens, flags, chunk)
         assert all(p.keeps_all and b >= 8 for p, b in after[0][1::K])
         assert not all(p.keeps_all for layer in after for p, _ in layer)
+
+
+def test_in_the_model_s_dtype_full_joins_the_menu_for_the_heads_that_copy_alone():
+    """From a half in the model's dtype the menu gains Full: the marked head takes it in every
+    sequence, and no other head does, even at a budget that would pay for it."""
+    from policies import menu
+    model, flags, lens = tiny_model(n_layers=2), random_flags(256, 1), [48, 40]
+    K = model.args.n_kv_heads
+    method = cache.default_method(0.9)
+    assert method.copies and method.policies == (*menu(by="mean"), Full())
+    marked = torch.zeros(2, K, dtype=torch.bool)
+    marked[1, 0] = True
+    cache._copies[model] = marked
+    for chunk in (None, 16):
+        after = plans(model, method, lens, flags, chunk)
+        assert all(isinstance(p, Full) for p, _ in after[1][0::K])
+        others = [p for l, layer in enumerate(after) for i, (p, _) in enumerate(layer)
+                  if (l, i % K) != (1, 0)]
+        assert others and not any(isinstance(p, Full) for p in others)
