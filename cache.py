@@ -64,10 +64,10 @@ READ_SINKS, READ_BEFORE = 4, 1024
 READ_WEIGHT = 0.25
 # Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE). They
 # keep every token, at COPY_BITS or more (at 4 they garbled numbers copied: 3 needles of 20 at
-# 4k), where a head kept so costs at most COPY_COST times a head's share of the budget: in 8 bits
-# at a quarter and in the model's dtype at a half, where they lowered KL on three texts. At four
-# times (an eighth in 4 bits, a quarter in the model's dtype) the other heads lost more than they
-# gained (studies/README.md, copy_heads).
+# 4k), where a head kept so costs at most COPY_COST times a head's share of the budget. At twice
+# (8 bits at a quarter, the model's dtype at a half) they lowered KL on three texts; at 2.5 times
+# (4 bits at an eighth) top-1 fell on three, at 4 times (the model's dtype at a quarter) news
+# lost KL (studies/README.md, copy_heads).
 COPY_PROBE, COPY_COST, COPY_BITS = 96, 2, 8
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
 # evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,

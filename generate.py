@@ -290,7 +290,8 @@ def parse_args(argv=None):
                    help="KV cache: full (exact), fastgen (per-head policies chosen by "
                         "profiling the prompt), or one fixed policy for every head (default full)")
     p.add_argument("--kv-budget", type=float, help="fastgen: share of a full cache's bytes "
-                   "all heads share; fixed policies: share of the prompt kept (default 0.5)")
+                   "all heads share, the heads that copy kept whole from 0.5 (0.25 with "
+                   "--kv-bits 16,8,4); fixed policies: share of the prompt kept (default 0.5)")
     p.add_argument("--paper", action="store_true",
                    help="fastgen: the paper's method, its shortlist under a threshold")
     p.add_argument("--recovery", type=float,
@@ -306,8 +307,7 @@ def parse_args(argv=None):
                    help="store keys and values in 16, 8, 4 or 2 bits (at 4 and 2, each head's "
                         "newest 32 tokens to about 8 bits as well; under fastgen's budget 256 x "
                         "the budget, 32 to 128, unless --ask-after); several: fastgen chooses each "
-                        "head's, e.g. 16,8,4, and from --kv-budget 0.25 on keeps the heads that "
-                        "copy whole at 8 bits (default: the model's dtype)")
+                        "head's, e.g. 16,8,4 (default: the model's dtype)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="also load *.bin/*.pth weights (pickles can run code)")
     p.add_argument("--save-plan", help="write each head's policy and recoveries to this JSON file")

@@ -443,7 +443,9 @@ def test_cache_options_run_the_core_s_methods():
     method = lambda options: caches(options)[0].method  # noqa: E731
     default = method(CacheOptions("fastgen"))
     assert default == cache.default_method(0.5)
-    assert (default.policies, default.kv_budget) == (tuple(menu(by="mean")), 0.5)
+    # Full at the end, for the heads that copy alone (tests/test_copy_heads.py).
+    assert (default.policies, default.kv_budget, default.copies) == \
+        ((*menu(by="mean"), Full()), 0.5, True)
     assert (default.rows, default.span, default.weigh_values) == (32, 16, True)
     # The window of newest tokens: 256 x the budget, from 32 to 128.
     assert [cache.default_method(b, (16, 8, 4)).window for b in (0.05, 0.125, 0.25, 0.5, 0.75)] \
