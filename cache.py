@@ -242,7 +242,7 @@ class FastGenCache(Cache):
         self.max_new_tokens, self.n_kv_heads = max_new_tokens, n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
         self.register_buffer("token_flags", token_flags, persistent=False)
-        # (S,): the segments that may take only a policy keeping every token (`evicting_copies`).
+        # (S,): the segments that may take only a policy keeping every token (`not_offered`).
         copies = torch.zeros(n_kv_heads, dtype=torch.bool) if copies is None else copies
         self.copies = copies.to(lens.device).repeat(len(lens))
         self.pool = None  # built by `compress`
@@ -460,7 +460,7 @@ class FastGenCache(Cache):
             values = values - self.errors
         costs = costs * unit + window
         self.recovery = values
-        values = values.masked_fill(evicting_copies([self]), -math.inf)
+        values = values.masked_fill(not_offered([self]), -math.inf)
         heads = self.pending.heads
         if self.method.kv_budget is None:
             choice = choose(values, self.method.recovery)
@@ -655,7 +655,7 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
             c.recovery = None
             c.choice = prompt.pos.new_zeros(len(prompt.pos) // L, dtype=torch.long)
         return
-    offered = recovery.masked_fill(evicting_copies(caches), -math.inf).view(L, -1, M)
+    offered = recovery.masked_fill(not_offered(caches), -math.inf).view(L, -1, M)
     recovery = recovery.view(L, -1, M)  # (L, S, M)
     first, heads = caches[0], caches[0].pending.heads
     for c, r, o in zip(caches, recovery, offered):
@@ -681,7 +681,7 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
             c.share = first.method.kv_budget * cost / b.clamp(min=1)  # (B,) what it took
 
 
-def evicting_copies(caches: list[FastGenCache]) -> torch.Tensor:
+def not_offered(caches: list[FastGenCache]) -> torch.Tensor:
     """(L * S, M), where `Method.copies`, the policies not offered: to a segment that copies, any
     but those keeping every token (`copying`); to another, Full in the model's dtype (or at 16
     bits), on the menu for those that copy alone (`default_method`)."""
