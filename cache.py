@@ -839,18 +839,24 @@ _copies = weakref.WeakKeyDictionary()  # model -> its copy heads
 
 @torch.no_grad()
 def copy_heads(model, token_flags) -> torch.Tensor:
-    """(layers, K) bool: the KV heads that copy (profiling.COPY_SHARE), found once per model over
-    COPY_PROBE random tokens said twice, drawn from those neither special nor punctuation."""
+    """(layers, K) bool: the KV heads that copy (profiling.COPY_SHARE), probed once per model."""
     if model not in _copies:
-        plain = (token_flags == 0).nonzero()[:, 0].cpu()
-        draw = torch.randint(len(plain), (COPY_PROBE,), generator=torch.Generator().manual_seed(0))
-        tokens = plain[draw].repeat(2)[None].to(token_flags.device)
-        held, probes = model.caches(), [CopyProbe() for _ in model.layers]
-        model.setup_caches(probes)
-        try:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-            model(tokens, positions, logits_at=tokens.new_zeros(1))
-        finally:
-            model.setup_caches(held)
-        _copies[model] = torch.stack([p.scores for p in probes]) >= COPY_SHARE
+        _copies[model] = induction_probe(model, token_flags) >= COPY_SHARE
     return _copies[model]
+
+
+@torch.no_grad()
+def induction_probe(model, token_flags, seed: int = 0) -> torch.Tensor:
+    """(layers, K) each KV head's induction score over COPY_PROBE random tokens said twice, drawn
+    (by `seed`) from those neither special nor punctuation; the model's caches are left as found."""
+    plain = (token_flags == 0).nonzero()[:, 0].cpu()
+    draw = torch.randint(len(plain), (COPY_PROBE,), generator=torch.Generator().manual_seed(seed))
+    tokens = plain[draw].repeat(2)[None].to(token_flags.device)
+    held, probes = model.caches(), [CopyProbe() for _ in model.layers]
+    model.setup_caches(probes)
+    try:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        model(tokens, positions, logits_at=tokens.new_zeros(1))
+    finally:
+        model.setup_caches(held)
+    return torch.stack([p.scores for p in probes])

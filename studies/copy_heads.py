@@ -23,22 +23,6 @@ import torch
 PROMPT, NEW, NEAR = 768, 64, 64  # text windows as studies.evaluate's; nearer repeats are local
 
 
-def probe_scores(model, flags, draws: int = 3) -> torch.Tensor:
-    """(draws, layers, K) induction scores over COPY_PROBE random plain tokens said twice."""
-    import cache
-    plain = (flags == 0).nonzero()[:, 0]
-    out = []
-    for seed in range(draws):
-        g = torch.Generator().manual_seed(seed)
-        tokens = plain[torch.randint(len(plain), (cache.COPY_PROBE,), generator=g)].repeat(2)[None]
-        probes = [cache.CopyProbe() for _ in model.layers]
-        model.setup_caches(probes)
-        model(tokens, torch.arange(tokens.shape[1])[None], logits_at=tokens.new_zeros(1))
-        model.setup_caches(None)
-        out.append(torch.stack([p.scores for p in probes]))
-    return torch.stack(out)
-
-
 def far_copy_mass(recorders, ids: list[int]) -> tuple[torch.Tensor, int]:
     """(layers, K) the attention the continuation's rows with a far repeat give the token after
     it, the mean over those rows, the most of a KV head's query heads; and how many rows."""
@@ -89,7 +73,7 @@ def main(argv=None):
 
     model, tok = load(args.ckpt)
     flags = flags_of(model, tok)
-    probe = probe_scores(model, flags)  # (draws, L, K)
+    probe = torch.stack([cache.induction_probe(model, flags, seed) for seed in range(3)])
     marked = cache.copy_heads(model, flags)
     L, K = marked.shape
     mass, n_rows = torch.zeros(L, K), 0
