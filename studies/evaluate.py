@@ -304,14 +304,17 @@ QUANT_BITS, QUANT_PRESSES = (4, 2), ("SnapKVPress", "ExpectedAttentionPress")
 
 
 def run_peer(python, ckpt, windows, n_new, cases, passkey_tokens, budgets, batch, threads,
-             precision=False) -> dict:
+             precision=False, presses=PRESSES) -> dict:
     """Run peer_kvpress.py under `python` (a venv with kvpress) on the same
     windows and passkey cases; its rows, or {"error": why it could not run}.
-    With `precision`, also HF's quantized cache, and bytes as a 16-bit model's."""
-    quant = dict(float_bits=16, quant_bits=QUANT_BITS, quant_presses=QUANT_PRESSES)
+    With `precision`, also HF's quantized cache (under those of `presses` in
+    QUANT_PRESSES), and bytes as a 16-bit model's."""
+    quant = dict(float_bits=16, quant_bits=QUANT_BITS,
+                 quant_presses=[x for x in QUANT_PRESSES if x in presses])
     return run_peer_job(python, dict(
         ckpt=str(ckpt), windows=windows, new_tokens=n_new, passkey_tokens=passkey_tokens,
-        cases=[[ids, key] for ids, key in cases], presses=PRESSES, batch=batch, threads=threads,
+        cases=[[ids, key] for ids, key in cases], presses=list(presses), batch=batch,
+        threads=threads,
         ratios=[round(1 - b, 6) for b in budgets], **(quant if precision else {})))
 
 
@@ -508,7 +511,8 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
          filler: int = 40, passkey_tokens: int = 8, passkey_chat: bool = False,
          budgets=(0.25, 0.5, 0.75), paper_thresholds=(0.7, 0.9, 0.98),
          text: str = "pydoc", batch: int = 30, seed: int = 0, peer: str | None = None,
-         peer_python: str = "/tmp/kvp/bin/python", peer_rows: str | None = None,
+         peer_python: str = "/tmp/kvp/bin/python", peer_presses=PRESSES,
+         peer_rows: str | None = None,
          kinds=None, add_rows: str | None = None, precision: bool = False,
          threads: int | None = None, command: str | None = None,
          window: int | None = None) -> dict:
@@ -560,7 +564,7 @@ def main(*, ckpt: str | None = None, out: str = "results/evaluate/quality", quic
     ours_s, peer_error = time.perf_counter() - t0, None
     if peer == "kvpress":
         got = run_peer(peer_python, ckpt, texts, new_tokens, cases, passkey_tokens, budgets, batch,
-                       torch.get_num_threads(), precision)
+                       torch.get_num_threads(), precision, peer_presses)
         peer_error = got.get("error")
         for name, r in got.get("rows", {}).items():
             ids = r.pop("pk_tokens")
@@ -654,6 +658,11 @@ def parse_args(argv=None):
                    "the budget from 32 to 128); 0 keeps none")
     p.add_argument("--peer-python", default="/tmp/kvp/bin/python",
                    help="python of a venv with kvpress installed (default /tmp/kvp/bin/python)")
+    p.add_argument("--peer-presses", nargs="*", default=list(PRESSES), metavar="PRESS",
+                   help="kvpress classes to run with --peer, alone and, with --precision, on HF's "
+                        "quantized cache where " + " or ".join(QUANT_PRESSES) + "; none: with "
+                        "--precision HF's quantized cache alone (default "
+                        + " ".join(PRESSES) + ")")
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")

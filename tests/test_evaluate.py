@@ -113,3 +113,19 @@ def test_peer_failure_is_reported(tiny_ckpt):
     assert "kvpress" in got["error"]
     assert "cannot start" in evaluate.run_peer("/nonexistent/python", tiny_ckpt, [], 2, [], 2,
                                                [0.5], batch=1, threads=1)["error"]
+
+
+def test_peer_presses_choose_the_peer_s_rows(monkeypatch):
+    """--peer-presses: the presses the peer runs, alone and on HF's quantized cache; none leaves
+    the quantized cache alone."""
+    jobs = []
+    monkeypatch.setattr(evaluate, "run_peer_job", lambda python, job: jobs.append(job) or {})
+    run = lambda presses: evaluate.run_peer("py", "ckpt", [], 2, [], 2, [0.25], 1, 1,  # noqa: E731
+                                            precision=True, presses=presses)
+    run(evaluate.PRESSES)
+    run(["SnapKVPress"])
+    run([])
+    assert [j["presses"] for j in jobs] == [list(evaluate.PRESSES), ["SnapKVPress"], []]
+    assert [j["quant_presses"] for j in jobs] == [list(evaluate.QUANT_PRESSES), ["SnapKVPress"], []]
+    assert all(j["quant_bits"] == evaluate.QUANT_BITS for j in jobs)
+    assert evaluate.parse_args(["--peer-presses"]).peer_presses == []
