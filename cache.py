@@ -156,7 +156,7 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -
     policies, bits = at_bits(menu(by="mean"), kv_bits)
     # A head kept whole costs COPY_BITS / 16 of a 16-bit one where the menu has Full at COPY_BITS
     # or more; in the model's dtype all of it, and Full joins the menu for them alone.
-    whole = COPY_BITS / 16 if any(copying(policies, bits)) else 1 if bits is None else math.inf
+    whole = 1 if bits is None else COPY_BITS / 16 if any(copying(policies, bits)) else math.inf
     copies = not reread and whole <= COPY_COST * kv_budget
     if copies and whole == 1:
         policies = policies + [Full()]

@@ -108,17 +108,23 @@ def attention_sums(q, k, lens, ratios=(), rows: int | None = None,
                    (lens - first).repeat_interleave(K).float(), (last / G).view(B * K, T))
 
 
+def row_probs(q, k, rows) -> torch.Tensor:
+    """(H, R, T) the causal attention of one sequence's rows `rows` (R,), q (1, H, T, D) and
+    k (1, K, T, D), in float32."""
+    H, K, T = q.shape[1], k.shape[1], k.shape[2]
+    keys = k[0].float().repeat_interleave(H // K, 0).transpose(-1, -2)  # (H, D, T)
+    scores = q[0, :, rows].float() @ keys / math.sqrt(q.shape[-1])  # (H, R, T)
+    future = torch.arange(T, device=q.device) > rows[:, None]
+    return scores.masked_fill(future, -math.inf).softmax(-1)
+
+
 def induction_scores(q, k) -> torch.Tensor:
     """(K,) over random tokens said twice, q (1, H, 2n, D) and k (1, K, 2n, D): the attention each
     row of the repeat gives the token after its own earlier occurrence, the mean over the rows,
     the most of the G query heads of a KV head."""
-    H, K, T = q.shape[1], k.shape[1], k.shape[2]
-    n = T // 2
+    H, K, n = q.shape[1], k.shape[1], k.shape[2] // 2
     rows = torch.arange(n, 2 * n, device=q.device)  # the repeat; row p said what p - n said
-    keys = k[0].float().repeat_interleave(H // K, 0).transpose(-1, -2)  # (H, D, T)
-    scores = q[0, :, rows].float() @ keys / math.sqrt(q.shape[-1])  # (H, n, T)
-    future = torch.arange(T, device=q.device) > rows[:, None]
-    probs = scores.masked_fill(future, -math.inf).softmax(-1)
+    probs = row_probs(q, k, rows)  # (H, n, 2n)
     return probs[:, torch.arange(n), rows - n + 1].mean(1).view(K, H // K).amax(1)
 
 

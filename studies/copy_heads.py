@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import sys
 from pathlib import Path
 
 import torch
+
+from profiling import COPY_SHARE, row_probs
+from studies.attention_study import table
 
 PROMPT, NEW, NEAR = 768, 64, 64  # text windows as studies.evaluate's; nearer repeats are local
 
@@ -37,19 +39,11 @@ def far_copy_mass(recorders, ids: list[int]) -> tuple[torch.Tensor, int]:
     out = []
     for rec in recorders:
         q, k, _ = rec.qkv
-        H, K, D = q.shape[1], k.shape[1], q.shape[-1]
-        keys = k[0].repeat_interleave(H // K, 0)
-        scores = q[0, :, PROMPT:] @ keys.transpose(-1, -2) / math.sqrt(D)  # (H, NEW, T)
-        future = torch.arange(T) > torch.arange(PROMPT, T)[:, None]
-        probs = scores.masked_fill(future, -math.inf).softmax(-1)
+        H, K = q.shape[1], k.shape[1]
+        probs = row_probs(q, k, torch.arange(PROMPT, T))  # (H, NEW, T)
         mass = (probs * target).sum(-1)[:, rows].mean(1) if rows.any() else torch.zeros(H)
         out.append(mass.view(K, H // K).amax(1))
     return torch.stack(out), int(rows.sum())
-
-
-def table(rows: list[tuple], head: str) -> str:
-    lines = [head, "| " + " | ".join("---" for _ in head.split("|")[1:-1]) + " |"]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 @torch.no_grad()
@@ -67,7 +61,6 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     import cache
     from generation import flags_of, load
-    from profiling import COPY_SHARE
     from studies.evaluate import machine, record
     from studies.textdata import prompts
 
@@ -91,8 +84,8 @@ def main(argv=None):
     text = (f"{int(marked.sum())} of {marked.numel()} KV heads copy (probe score at least "
             f"{COPY_SHARE}); {n_rows} continuation rows of {args.windows} {args.text} windows "
             "read a far repeat\n\n"
-            + table(rows, "| layer.head | probe score, three draws | copies | far-copy attention "
-                          "| its rank of all heads |"))
+            + table(["layer.head", "probe score, three draws", "copies", "far-copy attention",
+                     "its rank of all heads"], rows))
     print(text)
     if args.out:
         out = Path(args.out).with_suffix(".md")
