@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 import pool
-from kernels import flash_reread_sums, flash_sums
 from model import Cache, causal_attention
 from policies import Full, Policy, Slots, baseline, menu, shortlist
 from profiling import (COPY_SHARE, Profile, attention_sums, choose, fit_budgets, held_profile,
@@ -77,6 +76,9 @@ ROUNDING_WEIGHT = 0.25
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
               "out the slots the step writes to)")
+UNREAD = ("a cache that chooses for questions asked after the prompt (ask_after) decides once "
+          "the prompt is read again: call generation.read_again(model, tokens, prompt_lens) "
+          "after the prefill, as generation.prefill does")
 
 
 def budget_window(kv_budget: float) -> int:
@@ -214,20 +216,20 @@ class FastGenCache(Cache):
         slots a page holds; None: by prompt length (pool.page_size)
     pending : Pending, optional
         the layers that decide together; None: this one alone
-    eager : bool, default True
-        a small pool may be laid out for masked attention (pool.MaskedPool)
     copies : (n_kv_heads,) bool tensor, optional
         the KV heads that copy (`copy_heads`), where `method.copies`
     """
 
     def __init__(self, method: Method, prompt_lens, max_new_tokens: int, n_kv_heads: int,
                  token_flags, *, page: int | None = None, pending: Pending | None = None,
-                 eager: bool = True, copies=None):
+                 copies=None):
         super().__init__()
         if page is not None and page < 1:
             raise ValueError(f"page must be at least 1 (got {page})")
         self.method = method
         self.policies = list(method.policies)
+        # The per-token fields the policies declare: name -> its function of a token's k and v.
+        self.measures = {n: f for p in self.policies for n, f in p.token_fields.items()}
         self.bits = None if method.kv_bits is None else list(method.kv_bits)
         # Share of each sequence's bytes when choosing again: what it took (`choose_policies`).
         self.share = method.kv_budget
@@ -238,7 +240,6 @@ class FastGenCache(Cache):
         lens = prompt_lens  # (B,)
         self.page = page or pool.page_size(int(lens.max()))
         self.evict_every = method.evict_every or max(EVICT_EVERY, self.page // 2)
-        self.eager = eager
         self.max_new_tokens, self.n_kv_heads = max_new_tokens, n_kv_heads
         self.register_buffer("prompt_lens", prompt_lens, persistent=False)
         self.register_buffer("token_flags", token_flags, persistent=False)
@@ -271,6 +272,8 @@ class FastGenCache(Cache):
         if self.rereading:
             return self.read_again(q, k, v)
         if self.pool is None:
+            if self.held is not None:  # the prompt waits for `decide`: only reading again does
+                raise RuntimeError(UNREAD)
             return self.prefill(q, k, v, tokens)
         if q.shape[2] > 1 or self.clock.chunk:
             return self.chunk(q, k, v, input_pos, tokens)
@@ -280,16 +283,13 @@ class FastGenCache(Cache):
         """Attend over the prompt; hold what `Pending` needs to decide (of q, the rows profiled)."""
         t0 = _clock(q.device)
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
-        out = None
-        # Every row profiled and no band (h2o's): profile now, in prefill's own attention
-        # pass where torch allows it (profile_s then counts the attention too).
+        # Every row profiled and no band (h2o's): profile now, while q is whole.
         if self.method.rows is None and not banded(self.policies) and not self.method.reread:
-            out, self.every = (flash_sums(q, k, v, self.prompt_lens)
-                               or (None, attention_sums(q, k, self.prompt_lens)))
+            self.every = attention_sums(q, k, self.prompt_lens)
         self.head_dim = k.shape[-1]
         self.profile_s = _clock(q.device) - t0
         self.pending.add(self)
-        return causal_attention(q, k, v) if out is None else out
+        return causal_attention(q, k, v)
 
     def read_again(self, q, k, v):
         """Attend, causally, over these R tokens read again and, of what is held (the prompt
@@ -298,7 +298,7 @@ class FastGenCache(Cache):
         `reread`, holding none of them. A token read again then costs a bounded amount, not
         all that is held."""
         t0 = _clock(q.device)
-        sums = lambda *a: flash_reread_sums(*a) or reread_sums(*a)  # noqa: E731
+        sums = reread_sums
         B, H, R, D = q.shape
         if self.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
             _, ck, cv, _ = self.held
@@ -347,27 +347,32 @@ class FastGenCache(Cache):
         if len(self.policies) > 1:
             self.choose_again(profiles)
 
-    def from_sums(self, sums: Profile, tokens, layers: int = 1) -> tuple[Slots, torch.Tensor]:
+    def from_sums(self, sums: Profile, tokens, layers: int = 1, kv=None) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots scored by `sums` of `layers` stacked layers, (layers * S, T), and
-        each policy's recovery, (layers * S, M); None for a single policy (nothing to choose)."""
+        each policy's recovery, (layers * S, M); None for a single policy (nothing to choose).
+        kv: the layers' prompt keys and values, (layers * B, K, T, D) each, which the fields
+        policies declare are measured on."""
         prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
                               layers, self.method.span)
+        if kv is not None:
+            prompt.fields = {name: f(*(t.flatten(0, 1) for t in kv)).float()
+                             for name, f in self.measures.items()}
         prompt.keeps_all(self.policies)
         if len(self.policies) == 1:
             return prompt, None
         return prompt, recoveries(self.policies, prompt, sums)
 
-    def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float],
-               G: int):
+    def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float]):
         """Lay out the pool for what each segment's policy keeps of its prompt (S, T): on the
-        host, each segment's policy, its kept tokens and `growth`; G query heads per KV head."""
+        host, each segment's policy, its kept tokens and `growth`."""
         device = prompt.pos.device
         chosen = [self.policies[i] for i in sorted(set(choice))]
         self.pool = pool.build(choice, kept, growth,
                                self.reads_last or any(p.reads_last for p in chosen),
                                page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
-                               heads_per_kv=G, eager=self.eager, device=device, bits=self.bits,
-                               ranks=self.ranks, window=self.method.window)
+                               device=device, bits=self.bits,
+                               ranks=self.ranks, window=self.method.window,
+                               measures=self.measures)
         by = torch.tensor(choice, device=device)
         for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
                             seg_first_query=prompt.first_query[:, 0]).items():
@@ -419,7 +424,6 @@ class FastGenCache(Cache):
         self.pool.write(k.reshape(S * T, D), v.reshape(S * T, D),
                         at.masked_fill(~valid, -1).view(-1), flags.reshape(-1),
                         self.pool.taken(T).reshape(-1), per=T)
-        self.pool.forget()  # padding written is no slot's
         # The rows that choose again: the chunk's last, if every sequence has them.
         rechoose = len(self.policies) > 1 and bool(valid[:, -1].all()) and not self.method.reread
         R = min(self.method.rows or T, T) if rechoose else 0
@@ -495,7 +499,8 @@ class FastGenCache(Cache):
                         (pos.new_zeros(pos.shape, dtype=torch.float), torch.zeros_like(pos)))
         return Slots(pos, score, flags, self.seen()[seg, None],
                      self.seg_prompt_len[seg, None], self.seg_first_query[seg, None],
-                     g.block(p.last) if "last" in p.fields else None)
+                     g.block(p.last) if "last" in p.fields else None,
+                     {name: g.block(getattr(p, name)) for name in p.measures})
 
     def need(self) -> int:
         """Free slots each segment needs until the next eviction (past the tokens planned, as in
@@ -513,7 +518,8 @@ class FastGenCache(Cache):
             return torch.ones(M, dtype=torch.long, device=device), torch.zeros(
                 M, dtype=torch.long, device=device), 1
         D = self.head_dim
-        slot = pool.slot_bytes(any(p.reads_last for p in self.policies), self.ranks)
+        slot = pool.slot_bytes(any(p.reads_last for p in self.policies), self.ranks,
+                               len(self.measures))
         unit = torch.tensor([token_bytes(b, D) + slot for b in self.bits], device=device)
         return unit, torch.tensor([window_bytes(b, D, self.method.window) for b in self.bits],
                                   device=device), token_bytes(16, D)
@@ -583,7 +589,8 @@ def decide(caches: list[FastGenCache]):
     if any((c.method, c.max_new_tokens) != (first.method, first.max_new_tokens) for c in caches):
         raise ValueError("decide: the layers' caches must share their method and max_new_tokens")
     sums = profile_layers(caches)
-    prompt, recovery = first.from_sums(sums, first.held[3], layers=len(caches))
+    kv = [torch.cat([c.held[i] for c in caches]) for i in (1, 2)] if first.measures else None
+    prompt, recovery = first.from_sums(sums, first.held[3], layers=len(caches), kv=kv)
     if recovery is not None and first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
         q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
@@ -730,9 +737,9 @@ def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
     S = len(choices) // len(caches)
     for i, c in enumerate(caches):
         rows = slice(i * S, (i + 1) * S)
-        c.layout(prompt[rows], choices[rows], kept[rows], grown[rows],
-                 c.held[0].shape[1] // c.n_kv_heads)
-    fields = dict(pos=prompt.pos.int(), score=prompt.score, last=prompt.last, flags=prompt.flags)
+        c.layout(prompt[rows], choices[rows], kept[rows], grown[rows])
+    fields = dict(pos=prompt.pos.int(), score=prompt.score, last=prompt.last, flags=prompt.flags,
+                  **prompt.fields)
     pool.fill_from_prompt([c.pool for c in caches], fields, keep, [c.held[1:3] for c in caches])
 
 
@@ -742,6 +749,8 @@ def reserve(caches: list[FastGenCache], tokens=1):
     """Before every step, outside compiled code: evict what is due (all due layers at once), hand
     out free slots when the last are used, point the step at its slots. `tokens` per sequence:
     1, a chunk's T, or (B,) counts (the rest padding)."""
+    if any(c.pool is None for c in caches):
+        raise RuntimeError(UNREAD)
     counts = None if isinstance(tokens, int) else torch.as_tensor(tokens)
     T = tokens if counts is None else int(counts.max())
     evicting = [c for c in caches if c.clock.since >= c.evict_every]
@@ -785,8 +794,13 @@ def evict(caches: list[FastGenCache]):
     segments = dict(seen=column(FastGenCache.seen), prompt_len=column(lambda c: c.seg_prompt_len),
                     first_query=column(lambda c: c.seg_first_query))
     names = ["pos", "score", "flags"] + (["last"] if any(p.reads_last for p in policies) else [])
-    pool.evict([c.pool for c in caches], torch.cat(by), len(policies), names, segments,
-               lambda i, rows, seg: Slots(**rows, **seg).keeps(policies[i]))
+    measured = list(caches[0].measures)
+
+    def keeps(i, rows, seg):
+        fields = {name: rows.pop(name) for name in measured}
+        return Slots(**rows, **seg, fields=fields).keeps(policies[i])
+    pool.evict([c.pool for c in caches], torch.cat(by), len(policies), names + measured,
+               segments, keeps)
 
 
 def reading_again(caches: list[FastGenCache], counts=None, first=None):
@@ -809,7 +823,7 @@ def reading_again(caches: list[FastGenCache], counts=None, first=None):
 
 
 def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, token_flags=None,
-                   *, page: int | None = None, eager: bool = True, heads=None):
+                   *, page: int | None = None, heads=None):
     """One FastGenCache per layer of `model`, deciding together (`Pending`); `heads`: tp.Heads."""
     device = model.tok_embeddings.weight.device
     lens = torch.as_tensor(prompt_lens, device=device)
@@ -820,7 +834,7 @@ def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, toke
     pending = Pending(L, every=SCOPE if method.kv_budget is not None else None, heads=heads)
     copies = copy_heads(model, flags) if method.copies else [None] * L
     return [FastGenCache(method, lens, max_new_tokens, model.args.n_kv_heads, flags, page=page,
-                         pending=pending, eager=eager, copies=c) for c in copies]
+                         pending=pending, copies=c) for c in copies]
 
 
 class CopyProbe(Cache):

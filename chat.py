@@ -153,7 +153,7 @@ class Chat:
         # for the first answer, and grows past it.
         self.model.setup_caches(make_caches(self.model, self.cache, [first_len],
                                             1 - first_len if self.full else self.max_new_tokens,
-                                            self.token_flags, self.compile))
+                                            self.token_flags))
         self.limit = context  # positions 0 .. context - 1
 
     def feed(self, ids: list[int], first: bool):

@@ -20,8 +20,9 @@ import torch
 
 import tp
 from chat import Chat, ConversationFull, NotText
-from generation import (DTYPES, KV_KINDS, CacheOptions, Generation, dense_kv_bytes, flags_of,
+from generation import (DTYPES, CacheOptions, Generation, dense_kv_bytes, flags_of,
                         generate, load)
+from policies import FIXED
 from tokenizer import TokenizerError, not_utf8_at
 
 
@@ -286,7 +287,7 @@ def parse_args(argv=None):
                    help="weights and cache dtype (default float32)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (its first call is timed apart)")
-    p.add_argument("--kv", default="full", choices=KV_KINDS,
+    p.add_argument("--kv", default="full", choices=("full", "fastgen", *FIXED),
                    help="KV cache: full (exact), fastgen (per-head policies chosen by "
                         "profiling the prompt), or one fixed policy for every head (default full)")
     p.add_argument("--kv-budget", type=float, help="fastgen: share of a full cache's bytes "

@@ -22,10 +22,9 @@ import cache as fastgen_cache
 from cache import default_method, fastgen_caches, fixed_method, paper_method
 from model import KVCache, Transformer, reserve
 from pool import page_size
-from policies import token_flags
+from policies import FIXED, token_flags
 from quant import BITS, storage_dtype
 
-KV_KINDS = ("full", "fastgen", "local", "sink", "h2o", "tova", "snapkv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --- Sampling ---------------------------------------------------------------
@@ -175,7 +174,7 @@ class CacheOptions:
     passed down (generate.py --help says what each accepts).
 
     kv : str, default "full"
-        one of KV_KINDS: full, fastgen, or a fixed policy for every head
+        full, fastgen, or a fixed policy for every head (policies.FIXED)
     kv_budget : float, optional
         fastgen: the share of a full cache's bytes all heads share (default 0.5);
         a fixed policy: the share of the prompt each head keeps (default 0.5)
@@ -206,7 +205,8 @@ class CacheOptions:
         def need(ok, message):
             if not ok:
                 raise ValueError(message)
-        need(self.kv in KV_KINDS, f"--kv must be one of {', '.join(KV_KINDS)} (got {self.kv!r})")
+        kinds = ("full", "fastgen", *FIXED)
+        need(self.kv in kinds, f"--kv must be one of {', '.join(kinds)} (got {self.kv!r})")
         need(self.recovery is None or 0 < self.recovery <= 1,
              f"--recovery must be in (0, 1] (got {self.recovery})")
         need(self.kv_budget is None or 0 < self.kv_budget <= 1,
@@ -233,12 +233,10 @@ class CacheOptions:
 
 
 def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int],
-                max_new_tokens: int, token_flags=None, compiled: bool = False):
+                max_new_tokens: int, token_flags=None):
     """One cache per layer: dense for `full`, else compressed, running the method
     the options name (cache.default_method, paper_method, fixed_method): `full`
-    in fewer than 16 bits is a compressed cache whose every head keeps all.
-    With `compiled`, the decode step will be compiled, and every layer's pool
-    is laid out for it."""
+    in fewer than 16 bits is a compressed cache whose every head keeps all."""
     a, w, o = model.args, model.tok_embeddings.weight, options
     budget = 0.5 if o.kv_budget is None else o.kv_budget
     if o.kv == "full" and o.kv_bits in (None, (16,)):
@@ -259,7 +257,7 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
         page = page_size(max(prompt_lens))
         prompt_lens = [min(n, o.prefill_chunk) for n in prompt_lens]
     return fastgen_caches(model, method, prompt_lens, max_new_tokens, token_flags, page=page,
-                          eager=not compiled, heads=heads)
+                          heads=heads)
 
 
 def dense_kv_bytes(model: Transformer, batch: int, max_len: int, bits: int | None = None) -> int:
@@ -365,7 +363,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p, device=device)
     prompt_lens = torch.tensor(lens, device=device)
-    model.setup_caches(make_caches(model, cache, lens, max_new_tokens, token_flags, compile))
+    model.setup_caches(make_caches(model, cache, lens, max_new_tokens, token_flags))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B

@@ -32,6 +32,8 @@ class Slots:
     # (N, 1) first query `score` counts: 0, or prompt_len - n for a window of n prompt rows
     first_query: torch.Tensor | None = None
     last: torch.Tensor | None = None  # (N, C) attention from the latest query alone
+    # (N, C) each per-token field a policy declares (`Policy.token_fields`), by name
+    fields: dict = field(default_factory=dict)
     # What policies computed here, so a menu computes each once; the tensors must not change.
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -99,7 +101,8 @@ class Slots:
     def __getitem__(self, rows) -> Slots:
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return Slots(self.pos[rows], self.score[rows], self.flags[rows], self.seen[rows],
-                     self.prompt_len[rows], pick(self.first_query), pick(self.last))
+                     self.prompt_len[rows], pick(self.first_query), pick(self.last),
+                     {name: t[rows] for name, t in self.fields.items()})
 
 
 def share(r: float, n: torch.Tensor) -> torch.Tensor:
@@ -155,6 +158,11 @@ class Policy:
     reads_last = False    # `keep` reads `Slots.last`, which the cache then keeps up to date
     rows = 1              # the last prompt rows its ranking reads (None: every row)
     band = None           # a window of this share of the prompt: profiling sums its band
+    # Per-token fields it reads besides position, flags and scores: name -> a function of the
+    # token's key and value, (..., D) each, to (...) float32. The cache stores each one for
+    # every token it holds, measured as the token is written, and hands it to `keep` as
+    # `Slots.fields[name]`.
+    token_fields: dict = {}
 
     def keep(self, s: Slots) -> torch.Tensor:
         raise NotImplementedError
@@ -397,6 +405,10 @@ class Union(Policy):
         return any(m.reads_last for m in self._members)
 
     @property
+    def token_fields(self):
+        return {name: f for m in self._members for name, f in m.token_fields.items()}
+
+    @property
     def keeps_all(self):
         return any(m.keeps_all for m in self._members)
 
@@ -438,26 +450,29 @@ def menu(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "mean",
          ratios=RATIOS) -> list[Policy]:
     """What a head may take under a byte budget: the shortlist and every fixed baseline at several
     sizes. Not Full, which buys a head's last bit of recovery with all of it (studies/README.md)."""
-    kinds = ("local", "sink", "h2o", "tova", "snapkv")
-    shapes = [[baseline(kind, r, by) for r in ratios] for kind in kinds]
+    shapes = [[baseline(kind, r, by) for r in ratios] for kind in FIXED]
     return list(dict.fromkeys(shortlist(r_local, r_frequent, by)[:-1] + sum(shapes, [])))
 
 
+# The fixed policies by name, each keeping about `budget` of the prompt (`by`: how heavy hitters
+# rank): `--kv NAME` runs one on every head, and the default's menu offers each at every size
+# of RATIOS. A policy registered here is offered everywhere.
+FIXED = {
+    "local": lambda budget, by: Local(budget),
+    "sink": lambda budget, by: Sink(4) | Local(budget),  # StreamingLLM: sinks and a window
+    "h2o": lambda budget, by: Frequent(budget / 2, by) | Local(budget / 2),
+    "tova": lambda budget, by: TOVA(budget),
+    "snapkv": lambda budget, by: SnapKV(budget),
+}
+
+
 def baseline(kind: str, budget: float, by: str = "sum") -> Policy:
-    """A fixed policy for every head, keeping about `budget` of the prompt."""
+    """A fixed policy for every head (`FIXED`, or Full), keeping about `budget` of the prompt."""
     if kind == "full":
         return Full()
-    if kind == "local":
-        return Local(budget)
-    if kind == "sink":  # StreamingLLM: attention sinks + window
-        return Sink(4) | Local(budget)
-    if kind == "h2o":  # heavy hitters + window, half the budget each
-        return Frequent(budget / 2, by) | Local(budget / 2)
-    if kind == "tova":
-        return TOVA(budget)
-    if kind == "snapkv":
-        return SnapKV(budget)
-    raise ValueError(f"unknown baseline {kind!r}")
+    if kind not in FIXED:
+        raise ValueError(f"unknown baseline {kind!r}")
+    return FIXED[kind](budget, by)
 
 
 def token_flags(vocab_size: int, special_ids, punct_ids) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The page pool a FastGen cache stands on: where each head's kept tokens live.
 
-cache.py is the method, this the storage beneath it; kernels.py attends over it. A *segment*
+cache.py is the method, this the storage beneath it. A *segment*
 is one (sequence, KV head) pair. A layer's pool is N pages of P slots: V as (N, P, D), and per
 slot a position (-1: empty), a heavy-hitter score, token flags and the latest query's attention.
 Segments that share a policy and hold about as many tokens form a `Group`, an (n, C) block of
@@ -13,10 +13,8 @@ minima). A rounding part stores keys over their channel factors and both K and V
 (quant.py), and reads them so: `turned` brings a query to them and the output back.
 A part at 4 or 2 bits also keeps each segment's newest tokens to about 8 bits (its *window*, as
 wide as the method says, quant.WINDOW if it does not): what their codes miss, added as they are
-read. `PagedPool` keeps K as pages (N, D, P) and pieces each segment's softmax together from its
-pages; `MaskedPool`, for small unquantized pools attended eagerly, keeps K as one (D, N * P) and
-attends every query to every slot, kept to its own by a bias. The interface the cache uses,
-one layer at a time:
+read. K is kept as pages (N, D, P), and a decode step pieces each segment's softmax together
+from its pages (`paged_attention`). The interface the cache uses, one layer at a time:
 
     build(...)          lay a pool out for what each segment keeps of its prompt
     fill_from_prompt    fill the pools of several layers from their prompts
@@ -29,7 +27,6 @@ one layer at a time:
 """
 from __future__ import annotations
 
-import abc
 import itertools
 import math
 from dataclasses import dataclass
@@ -38,7 +35,6 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-from kernels import masked_attention, paged_attention, slot_bias
 from quant import (WINDOW, channel_factors, dequantize, dequantize_residual, hadamard, quantize,
                    quantize_residual, residual_bits, rotate, rounds, storage_dtype, windowed)
 
@@ -51,19 +47,16 @@ MIN_PAGE, MAX_PAGE = 4, 128
 # Segments share a group while the largest holds at most this much more than the smallest
 # (plus a page): the rest of a group's width is padding.
 SPREAD = 1.05
-# An eager step uses `masked_attention` while its scores (every query by every slot) are at most
-# this many floats; compiled, where the pages' softmax fuses, `paged_attention` always wins.
-MASKED_SCORES = 1 << 15
 # Queries of a chunk scored at once: their scores against a few thousand slots stay a few MB.
 CHUNK_ROWS = 128
 # The pool's per-slot tensors and what an empty slot holds.
 SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
 
 
-def slot_bytes(reads_last: bool, ranks: bool = True) -> int:
+def slot_bytes(reads_last: bool, ranks: bool = True, measures: int = 0) -> int:
     """Bytes a slot holds besides K and V: position and, where a policy ranks by them, score and
-    flags, and `last` if read."""
-    return 4 + (4 + 1) * ranks + 4 * reads_last
+    flags, `last` if read, and the float32 fields policies declare (`measures` of them)."""
+    return 4 + (4 + 1) * ranks + 4 * reads_last + 4 * measures
 
 
 def window(bits: int) -> list[str]:
@@ -123,17 +116,15 @@ def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int
     return [(r, max(1, -(-(sizes[r.stop - 1] + room) // page))) for r in runs if sizes[r]]
 
 
-def attends_masked(segments: int, heads_per_kv: int, slots: int) -> bool:
-    return segments * heads_per_kv * slots <= MASKED_SCORES
-
-
 def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
-          page: int, every: int, new: int, heads_per_kv: int, eager: bool, device,
-          bits: list | None = None, ranks: bool = True, window: int | None = None) -> Pool:
+          page: int, every: int, new: int, device,
+          bits: list | None = None, ranks: bool = True, window: int | None = None,
+          measures: dict | None = None) -> Pool:
     """A pool laid out on the host from each segment's policy index, kept tokens and `growth`;
     `bits`: each policy's precision (None: the model's dtype); `ranks`: whether any policy may
     rank its slots (else no score and no flags are kept: a cache that keeps all, in fewer bits);
-    `window`: the newest tokens a 4- or 2-bit part also keeps in 16 bits (None: WINDOW).
+    `window`: the newest tokens a 4- or 2-bit part also keeps in 16 bits (None: WINDOW);
+    `measures`: the per-token fields policies declare (policies.Policy.token_fields).
     A group gets room for the tokens until the first eviction, plus what the budget charged its
     policy for the `new` tokens (a quarter of its width at most, as in `grow`): a group of heads
     that keep all never grows."""
@@ -155,21 +146,69 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     # query's attention (4 bytes a slot) only for a policy that reads it.
     wanted = {"pos", *(("score", "flags") if ranks else ()), *(("last",) if reads_last else ())}
     fields = {n: e for n, e in SLOT_FIELDS.items() if n in wanted}
+    fields.update({n: 0.0 for n in measures or {}})
     fields.update({n: 0 for b in precisions for n in stored(b)})
-    slots = sum(len(g.rows) * g.pages for g in groups) * page
-    masked = eager and len(precisions) == 1 and not rounds(precisions[0]) and attends_masked(
-        len(choice), heads_per_kv, slots)
-    return (MaskedPool if masked else PagedPool)(groups, page, every, fields, len(choice), device,
-                                                 WINDOW if window is None else window)
+    return Pool(groups, page, every, fields, len(choice), device,
+                WINDOW if window is None else window, measures or {})
 
 
-class Pool(nn.Module, abc.ABC):
-    """One layer's pool of pages; the layouts say how K is stored, written and attended."""
+def paged_attention(q, k, v, empty, owner, window=None):
+    """One query per segment over its pages.
+
+    q: (S, G, D); k: (N, D, P) and v: (N, P, D) pages; empty: (N, P) bool, the
+    slots that hold nothing; owner: (N,) the segment of each page; window: None
+    or (at (E,), rk, rv (E, D)): what slots at lack of their keys and values,
+    added to their scores and outputs. Returns the output (S, G, D) and the
+    attention each slot got, (N, P) in float32, averaged over the G query heads.
+    The softmax of a segment spans its pages: each page's maximum and sum are
+    combined per segment, and the pages' outputs by a product with the (S, N)
+    matrix of which page is whose: compiled, a scatter of the outputs adds
+    atomically, which ran slower on CPU.
+    """
+    S, G, D = q.shape
+    N, P = empty.shape
+    scores = ((q.index_select(0, owner) @ k) / math.sqrt(D)).float()  # (N, G, P)
+    if window is not None:
+        at, rk, rv = window
+        page, col = at // P, at % P
+        seg = owner.index_select(0, page)
+        heads = torch.arange(G, device=q.device)
+        qs = q.index_select(0, seg)  # (E, G, D)
+        extra = (qs @ rk[..., None]).squeeze(-1).float() / math.sqrt(D)  # (E, G)
+        scores = scores.index_put((page[:, None], heads, col[:, None]), extra, accumulate=True)
+    scores = scores.masked_fill(empty[:, None], -math.inf)
+    mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
+    page_top = scores.amax(-1)  # (N, G)
+    if torch.compiler.is_compiling():
+        # Compiled, one fused reduction over each segment's pages, where a
+        # scatter_reduce stays an op of its own; eager, this would write out
+        # an (S, N, G) tensor, and the scatter is the faster.
+        top = page_top.expand(S, N, G).masked_fill(~mine[..., None], -math.inf).amax(1)
+    else:
+        top = page_top.new_full((S, G), -math.inf).scatter_reduce(
+            0, owner[:, None].expand(N, G), page_top, "amax")
+    e = (scores - top.index_select(0, owner)[..., None]).exp()
+    total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
+    probs = e / total.index_select(0, owner)[..., None]
+    y = (mine.float() @ (probs.to(v.dtype) @ v).float().view(N, G * D)).view(S, G, D)
+    if window is not None:
+        got = probs[page[:, None], heads, col[:, None]]  # (E, G)
+        y = y.index_add(0, seg, got[..., None] * rv[:, None].float())
+    return y.to(v.dtype), probs.mean(1)
+
+
+
+class Pool(nn.Module):
+    """One layer's pool of pages: K as (N, D, P), so that scoring a page is a plain (G, D) x
+    (D, P) product, V as (N, P, D), and each slot's fields as (N, P)."""
 
     def __init__(self, groups: list[Group], page: int, every: int, fields: dict, segments: int,
-                 device, window: int):
+                 device, window: int, measures: dict):
         super().__init__()
         self.groups, self.page, self.every, self.fields = groups, page, every, fields
+        self.measures = measures  # a declared field's name -> its function of a token's k and v
+        # The fields held per slot, not per part: K and V (or their codes) are a part's own.
+        self.slot_names = [n for n in fields if n in measures or n in SLOT_FIELDS and n not in "kv"]
         self.window_size = window  # a 4- or 2-bit part's newest tokens, to about 8 bits
         self.n_growths = 0
         self.cursor = Cursor()
@@ -211,7 +250,7 @@ class Pool(nn.Module, abc.ABC):
 
     def part(self, name: str) -> tuple[int, list[Group]]:
         """A field's first page and groups: a part's K and V hold its own groups only."""
-        if name in SLOT_FIELDS and name not in ("k", "v"):
+        if name in self.slot_names:
             return 0, self.groups
         bits, first = next((b, f) for b, f, _ in self.parts if name in stored(b))
         return first, [g for g in self.groups if g.bits == bits]
@@ -222,10 +261,9 @@ class Pool(nn.Module, abc.ABC):
         attended). valid (S, T): the prompt tokens that set a rounding part's key factors."""
         P, (B, K, T, D) = self.page, k.shape
         self.dtype = k.dtype  # what K and V are read back as
-        for name in self.fields:
-            if name in SLOT_FIELDS and name not in ("k", "v"):
-                self.register_buffer(name, fields[name].index_select(0, source).view(-1, P),
-                                     persistent=False)
+        for name in self.slot_names:
+            self.register_buffer(name, fields[name].index_select(0, source).view(-1, P),
+                                 persistent=False)
         self.rounds_keys = any(map(rounds, self.precisions))
         if self.rounds_keys:  # 1 for the segments of a part that does not round
             exact = [s for g in self.groups if not rounds(g.bits) for s in g.rows]
@@ -256,7 +294,6 @@ class Pool(nn.Module, abc.ABC):
                 mine = (at - first * P).clamp(min=0)  # the part's own slots
                 codes = [getattr(self, name).flatten(0, 1)[mine] for name in stored(bits)]
                 self.remember(bits, segs, ks[mine], vs[mine], pos, at, codes)
-        self.hide()
         self.mark_dynamic()
 
     def encode(self, bits, k, v) -> dict:
@@ -329,6 +366,8 @@ class Pool(nn.Module, abc.ABC):
         self.pos.view(-1).index_copy_(0, slot, pos.to(self.pos.dtype))
         if "flags" in self.fields:
             self.flags.view(-1).index_copy_(0, slot, flags)
+        for name, measure in self.measures.items():
+            getattr(self, name).view(-1).index_copy_(0, slot, measure(k, v).float())
         for i, bits in enumerate(self.precisions):
             if not self.part_rows:  # one part: every segment's rows, in order
                 segs, rows, at = None, None, slot
@@ -492,18 +531,17 @@ class Pool(nn.Module, abc.ABC):
             base, groups = self.part(name)
             for g in groups:
                 extra = grow.get(self.groups.index(g), 0)
-                t = self.pages(name)[g.first - base:g.first - base + len(g.rows) * g.pages]
+                t = getattr(self, name)[g.first - base:g.first - base + len(g.rows) * g.pages]
                 t = t.reshape(len(g.rows), g.pages, *t.shape[1:])
                 pad = t.new_full((len(g.rows), extra, *t.shape[2:]), empty)
                 parts[name].append(torch.cat([t, pad], 1).flatten(0, 1))
         for i, extra in grow.items():
             self.groups[i].pages += extra
         for name, ts in parts.items():
-            setattr(self, name, self.from_pages(name, torch.cat(ts)))
+            setattr(self, name, torch.cat(ts))
         self.n_growths += len(grow)
         self.place()
         self.relink()
-        self.hide()
         self.mark_dynamic()
 
     def compact(self, room: int):
@@ -534,7 +572,6 @@ class Pool(nn.Module, abc.ABC):
             setattr(self, name, rows)
         self.place()
         self.relink()
-        self.hide()
         self.mark_dynamic()
 
     # --- What the pool holds -----------------------------------------------------
@@ -553,41 +590,6 @@ class Pool(nn.Module, abc.ABC):
         """The page count is dynamic from the first step: a growth needs no new graph."""
         for name in (*self.fields, "owner"):
             torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
-
-    # What the layouts differ in.
-    @abc.abstractmethod
-    def keys(self, k):
-        """The pool's K from its (M, D) rows."""
-
-    @abc.abstractmethod
-    def write_key(self, slot, k):
-        """Each segment's new key, k (S, D), into its slot."""
-
-    @abc.abstractmethod
-    def attend(self, q):
-        """One query per segment, q (S, G, D), over its slots: as kernels.paged_attention."""
-
-    def pages(self, name: str) -> torch.Tensor:
-        """A field as pages, (N, P, ...) or K's (N, D, P)."""
-        return getattr(self, name)
-
-    def key_pages(self) -> torch.Tensor:
-        """K as (N, P, D) pages, a view."""
-        return self.pages("k")
-
-    def from_pages(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def hide(self):
-        """After the slots or their owners changed."""
-
-    def forget(self):
-        """After eviction freed slots."""
-
-
-class PagedPool(Pool):
-    """K as pages (N, D, P): scoring a page is a plain (G, D) x (D, P) product, on CPU
-    markedly faster than against (P, D)."""
 
     def keys(self, k):
         return k.view(-1, self.page, k.shape[-1]).transpose(1, 2).contiguous()
@@ -615,46 +617,8 @@ class PagedPool(Pool):
         return self.turned(y), last[0] if len(last) == 1 else torch.cat(last)
 
     def key_pages(self):
+        """K as (N, P, D) pages, a view."""
         return self.k.transpose(1, 2)
-
-
-class MaskedPool(Pool):
-    """K as one (D, N * P), with a bias (S, 1, N * P) kept up to date, not built each step."""
-
-    def keys(self, k):
-        return k.T.contiguous()
-
-    def write_key(self, slot, k):
-        self.k.index_copy_(1, slot, k.T)
-        # Each new token, seen by its own segment (a chunk's slots come segment by segment).
-        self.bias.view(len(self.dest), -1).scatter_(1, slot.view(len(self.dest), -1), 0.0)
-
-    def attend(self, q):
-        k, v = self.k.to(q.dtype), self.v.to(q.dtype)  # 16-bit storage read back
-        y, last = masked_attention(q, k, v.view(-1, v.shape[-1]), self.bias)
-        return y, last.view_as(self.pos)
-
-    def pages(self, name):
-        if name == "k":
-            return self.k.T.view(-1, self.page, self.k.shape[0])  # (N, P, D)
-        return getattr(self, name)
-
-    def from_pages(self, name, t):
-        return t.view(-1, t.shape[-1]).T.contiguous() if name == "k" else t
-
-    def hide(self):
-        self.register_buffer("bias", slot_bias(self.pos < 0, self.owner, len(self.dest)),
-                             persistent=False)
-
-    def forget(self):
-        self.bias.masked_fill_(self.pos.view(1, 1, -1) < 0, -math.inf)
-
-    STATE = (*Pool.STATE, "bias")
-
-    def mark_dynamic(self):
-        for name in (*self.fields, "owner"):
-            torch._dynamo.maybe_mark_dynamic(getattr(self, name), int(name == "k"))
-        torch._dynamo.maybe_mark_dynamic(self.bias, 2)
 
 
 # --- Several layers at once -------------------------------------------------------
@@ -668,7 +632,8 @@ def ends(pools: list[Pool]) -> tuple[list[int], list[int], torch.Tensor]:
 
 
 def fill_from_prompt(pools: list[Pool], fields: dict, keep, kvs: list[tuple]):
-    """Fill the layers' pools. fields: (L * S, T) pos, score, last, flags; keep (L * S, T): what
+    """Fill the layers' pools. fields: (L * S, T) pos, score, last, flags and those policies
+    declare; keep (L * S, T): what
     each segment's policy keeps; kvs: each layer's prompt k and v, (B, K, T, D)."""
     sizes, _, start = ends(pools)
     # Kept tokens first, in position order: slot start + n of a segment holds its n-th kept token.
@@ -677,7 +642,7 @@ def fill_from_prompt(pools: list[Pool], fields: dict, keep, kvs: list[tuple]):
     # An empty slot reads one past the prompt's tokens, where each field holds its empty value.
     source = torch.full((sum(sizes),), LS * T, dtype=torch.long, device=keep.device)
     source[(start[:, None] + keep.cumsum(1) - 1)[keep]] = token[keep]
-    fields = {name: torch.cat([t.reshape(-1), t.new_full((1,), SLOT_FIELDS[name])])
+    fields = {name: torch.cat([t.reshape(-1), t.new_full((1,), SLOT_FIELDS.get(name, 0))])
               for name, t in fields.items() if t is not None}
     # Each slot's row of its layer's k and v, as the model lays them out (B, T, K).
     K = kvs[0][0].shape[1]
@@ -708,7 +673,7 @@ def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps)
     cols = torch.arange(max(widest[1:]), device=start.device)
     pad = cols >= width[order, None]
     index = (start[order, None] + cols).masked_fill_(pad, 0)  # (R, W) flat slots
-    rows = {name: flat[name][index].masked_fill_(pad, SLOT_FIELDS[name]) for name in names}
+    rows = {name: flat[name][index].masked_fill_(pad, SLOT_FIELDS.get(name, 0)) for name in names}
     columns = {name: t[order] for name, t in columns.items()}
     freed, a = [], 0
     for i, (n, w) in enumerate(zip(counts[1:], widest[1:])):
@@ -723,8 +688,6 @@ def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps)
     for name in ("pos", "score"):
         for p, t in zip(pools, flat[name].split(sizes)):
             getattr(p, name).view(-1).copy_(t)
-    for p in pools:
-        p.forget()
 
 
 def hand_out(pools: list[Pool], needs: list[int], remaining: list[int]):

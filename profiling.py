@@ -8,7 +8,7 @@ queries) and the query heads of a KV head. Column sums suffice; the matrix is ne
     band_W[j] = sum_i A[i, j] [i - W < j <= i]  the part from the W queries right after it
 
 A policy keeping one set K for every row recovers sum_{j in K} colsum[j]; Local keeps each row's
-W newest tokens, so a union with it adds sum_{j not in K} band_W[j]. Flash versions: kernels.py.
+W newest tokens, so a union with it adds sum_{j not in K} band_W[j].
 """
 from __future__ import annotations
 
@@ -128,8 +128,31 @@ def induction_scores(q, k) -> torch.Tensor:
     return probs[:, torch.arange(n), rows - n + 1].mean(1).view(K, H // K).amax(1)
 
 
-def reread_sums(q, k, v, held_k, held_v, held, counts,
-                chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_lse(q, k, v, causal: bool = False, mask=None, scale: float | None = None):
+    """Attention of q (B, H, R, D) over k, v (B, H, T, D), with each row's log-sum-exp (B, H, R)
+    in float32: torch's CPU flash kernel where it exists, else the plain softmax."""
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is not None and q.device.type == "cpu":
+        return flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    s = (q.float() @ k.float().transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                          -math.inf)
+    if mask is not None:
+        s = s + mask
+    lse = s.logsumexp(-1)
+    return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
+def with_coordinate(x, last) -> torch.Tensor:
+    """x (B, H, N, D) in float32 with `last` (B, H, N) as an extra coordinate, then zeros to a
+    multiple of 8 (the flash kernel's vector width): a key's 1 against a row's -L_i adds the
+    row's log-sum-exp to every score."""
+    return torch.cat([x.float(), last[..., None], x.new_zeros(*x.shape[:3], 7,
+                                                             dtype=torch.float32)], -1)
+
+
+def reread_sums(q, k, v, held_k, held_v, held, counts) -> tuple[torch.Tensor, torch.Tensor]:
     """The context read again (KVzip's reconstruction), each row seeing it and the rows before.
     Returns the output (B, H, R, D) and each context token's score (B * K, T): the READ_NORM-norm
     over the rows of the attention they gave it, the most of its G query heads (`read_score`).
@@ -137,27 +160,30 @@ def reread_sums(q, k, v, held_k, held_v, held, counts,
     q : (B, H, R, D) the queries of the tokens read again; k, v (B, K, R, D) theirs
     held_k, held_v : (B, K, T, D) the context's keys and values
     held : (B, T) bool, the context's keys that exist (the others are padding)
-    counts : (B,) rows of each sequence read again; the others are padding"""
+    counts : (B,) rows of each sequence read again; the others are padding
+
+    Two attention passes, never the (R, T) probabilities: the rows attend to the context and to
+    themselves, joined by their log-sum-exps into each row's L_i; then the context's keys attend
+    over the rows scaled by p = READ_NORM, with -p L_i as an extra coordinate, so that a key's
+    log-sum-exp is p times the log of the p-norm of the attention it received."""
     B, H, R, D = q.shape
-    K, T = held_k.shape[1], held_k.shape[2]
+    K, T = held_k.shape[1:3]
     G = H // K
-    keys = torch.cat([held_k, k], 2).float().transpose(-1, -2)  # (B, K, D, T + R)
-    values = torch.cat([held_v, v], 2)
-    cols = torch.arange(T + R, device=q.device)
-    y = q.new_empty(q.shape)
-    powers = q.new_zeros(B, K, G, T, dtype=torch.float32)  # sum_i p_ij^READ_NORM
-    step = max(1, chunk_bytes // (B * H * (T + R) * 4))
-    for i0 in range(0, R, step):
-        r = cols[i0:min(i0 + step, R)]
-        sees = torch.cat([held[:, None].expand(B, len(r), T),  # (B, c, T + R)
-                          (cols[:R] <= r[:, None]).expand(B, -1, -1)], 2)
-        scores = (q[:, :, r].float() / math.sqrt(D)).reshape(B, K, G * len(r), D) @ keys
-        probs = scores.view(B, K, G, len(r), T + R).masked_fill_(
-            ~sees[:, None, None], -math.inf).softmax(-1)
-        y[:, :, r] = (probs.to(values.dtype) @ values[:, :, None]).view(B, H, len(r), D)
-        read = (r < counts[:, None]).float()  # (B, c)
-        powers += (probs[..., :T].pow(READ_NORM) * read[:, None, None, :, None]).sum(3)
-    return y, read_score(powers.log() / READ_NORM)
+    ck, cv, k, v = (t.repeat_interleave(G, 1) for t in (held_k, held_v, k, v))
+    padding = ~held  # (B, T)
+    mask = q.new_zeros(B, 1, 1, T).masked_fill_(padding[:, None, None], -math.inf)
+    on_context, lse_c = attention_lse(q, ck, cv, mask=mask)
+    on_rows, lse_r = attention_lse(q, k, v, causal=True)
+    lse = torch.logaddexp(lse_c, lse_r)  # (B, H, R)
+    y = (on_context * (lse_c - lse).exp()[..., None].to(q.dtype)
+         + on_rows * (lse_r - lse).exp()[..., None].to(q.dtype))
+    read = torch.arange(R, device=q.device) < counts[:, None, None]  # (B, 1, R)
+    p = READ_NORM
+    rows = with_coordinate(p * q / math.sqrt(D), torch.where(read, -p * lse, -1e9))
+    keys = with_coordinate(ck, torch.ones(B, H, T, device=q.device))
+    _, col = attention_lse(keys, rows, rows, scale=1.0)
+    col = (col / p).masked_fill(padding[:, None], -math.inf)  # (B, H, T)
+    return y, read_score(col.view(B, K, G, T))
 
 
 def read_score(log_norms) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 import generation as gen_
 from model import KVCache, attend, reserve
 from policies import Slots, shortlist, token_flags
-from pool import attends_masked, group_pages, page_size
+from pool import group_pages, page_size
 from profiling import attention_sums, choose, local_ratios
 
 THRESHOLDS = (0.85, 0.90, 0.93, 0.95, 0.98)
@@ -69,8 +69,7 @@ def derive(model, rec, kept, threshold, prompt_len):
     # pool.py's pool: K and V (D values each), pos int32, score float32, flags
     # uint8 per slot (no latest attention: no shortlist policy reads it); the
     # owner int64 per page; start, width, prompt_len, first_query, evicts_by,
-    # drops_by and dest int64 per segment (and no free slots handed out yet); a pool small
-    # enough for masked_attention also a bfloat16 per slot and segment (its bias).
+    # drops_by and dest int64 per segment (and no free slots handed out yet).
     a = model.args
     per_slot = 2 * a.head_dim * model.tok_embeddings.weight.element_size() + 4 + 4 + 1
     choice = torch.stack([choose(r, threshold) for r in rec])  # (L, K)
@@ -78,15 +77,11 @@ def derive(model, rec, kept, threshold, prompt_len):
     nbytes = 0
     page = page_size(prompt_len)
     for l in range(rec.shape[0]):
-        slots = 0
         for p in choice[l].unique():
             # Heads of one policy holding about as much share a bucket as wide as the fullest.
             sizes = sorted(n_kept[l][choice[l] == p].tolist())
             for g, pages in group_pages(sizes, 0, page):
                 nbytes += len(sizes[g]) * (pages * (page * per_slot + 8) + 56)
-                slots += len(sizes[g]) * pages * page
-        if attends_masked(a.n_kv_heads, a.n_heads // a.n_kv_heads, slots):  # batch 1
-            nbytes += a.n_kv_heads * slots * 2
     return choice, rec.gather(2, choice[..., None])[..., 0], n_kept, nbytes
 
 

@@ -141,7 +141,7 @@ def from_record(recorders):
     attention output (which the build discards) and profiling's column sums,
     which depend only on the prompt, the rows read, the Local windows and
     whether values weigh them, and every row's sums, once per layer
-    (tests/test_evaluate.py compares the logits with `generation.score`)."""
+    (tests/studies/test_evaluate.py compares the logits with `generation.score`)."""
     by_key = {id(r.qkv[1]): r for r in recorders}
 
     def sums(caches):
@@ -154,18 +154,19 @@ def from_record(recorders):
             memo[key] = profile_layers(caches)
         return memo[key]
 
-    flash = fastgen_cache.flash_sums
+    dense = fastgen_cache.attention_sums
 
-    def every_row(q, k, v, lens):  # no attention output: the build discards it
+    def every_row(q, k, lens, *rest):  # the prefill's sums of every row, once a record
+        if rest:
+            return dense(q, k, lens, *rest)
         memo = by_key[id(k)].sums
         if "every" not in memo:
-            memo["every"] = (flash(q, k, v, lens)
-                             or (None, fastgen_cache.attention_sums(q, k, lens)))[1]
-        return None, memo["every"]
+            memo["every"] = dense(q, k, lens)
+        return memo["every"]
 
     skip = lambda q, k, v: None  # noqa: E731
     with mock.patch.object(fastgen_cache, "profile_layers", sums), \
-            mock.patch.object(fastgen_cache, "flash_sums", every_row), \
+            mock.patch.object(fastgen_cache, "attention_sums", every_row), \
             mock.patch.object(fastgen_cache, "causal_attention", skip), \
             mock.patch.object(model_module, "causal_attention", skip):
         yield

@@ -365,7 +365,7 @@ def run_cases(model, tok, cases: list[Case], cfgs: list[Config], readings, flags
     reads every weight), so cases go in batches as large as memory allows,
     sorted by answer length. The full cache's `agnostic` answers are its
     `question_last` ones: it keeps every token, so when the question comes
-    changes nothing (tests/test_longctx.py checks it)."""
+    changes nothing (tests/studies/test_longctx.py checks it)."""
     res = {rd: {c.name: dict(scores=[None] * len(cases), answers=[None] * len(cases), bytes=0,
                              full_bytes=0) for c in cfgs} for rd in readings}
     order = sorted(range(len(cases)), key=lambda i: cases[i].n_new)

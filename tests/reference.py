@@ -1,33 +1,53 @@
-"""A slow, independent model of the FastGen cache, to test the real one against.
+"""A slow model of the FastGen cache, written apart from it, to test the real one against.
 
-`Reference` shares no code with `cache.py` or `profiling.py`. Each segment
-(sequence, KV head) is a Python set of kept positions and a dict of their
-heavy-hitter scores; attention is dense, in float64, over every key the
-sequence has ever seen, masked to the kept set; profiling builds the whole
-attention matrix and sums it row by row, and a chunk's choosing again reads
-the attention its last rows gave what each segment holds. Policies are read
-only through their classes and parameters (`policy.members()`, `r`, `n`):
-their semantics are re-implemented here on sets, from the design notes.
+Each segment (sequence, KV head) of `Reference` is a Python set of kept
+positions and a dict of their heavy-hitter scores; attention is dense, in
+float64, over every key the sequence has ever seen, masked to the kept set;
+profiling builds the whole attention matrix and sums it row by row, and a
+chunk's choosing again reads the attention its last rows gave what each
+segment holds. Policies are read only through their classes and parameters
+(`policy.members()`, `r`, `n`): what they keep and what they cost of the new
+tokens are re-implemented here on sets, from the design notes. A threshold
+takes the first policy reaching it; a budget takes, per sequence, the
+assignment of menu items to its heads of most value within the budget,
+found by brute force over every assignment (`knapsack`; by dynamic
+programming over the total cost past BRUTE_FORCE assignments).
+
+What it does not re-derive, it takes from the cache under test, and says so:
+- near-ties: which of tokens scored within TIE a policy keeps is the cache's
+  choice (its ranking: `FastGenCache.from_sums` over `profiling.attention_sums`,
+  `profiling.local_ratios` and `profiling.weigh` at prefill, the cache's
+  `Slots.keeps` when a chunk chooses again);
+  so is a policy whose recovery is within rounding of the threshold, and an
+  assignment whose value ties the optimum within VALUE_TIE a head;
+- what a precision costs: `cache.errors` (profiling.precision_errors) off the
+  recoveries, and the bytes a token and a window take (`FastGenCache.token_bytes`);
+  both are tested apart (test_quant.py);
+- each rounding segment's window width, the default eviction period, and
+  rounding itself (quant.py), tested apart.
+profiling.rotate and pool.rotate are patched (`rotation_of_fixed_bits`), not used.
 
 `CheckedCache` runs a `FastGenCache` and the reference side by side and
 asserts after every call that both hold the same tokens with the same scores,
-measure the same recoveries, choose the same policies and return the same
-attention output. It asks the cache's own ranking only for what each policy
-keeps, to break near-ties the way the cache did (`drive` builds the cache).
+measure the same recoveries, choose the same policies (or, under a budget, an
+assignment of equal value) and return the same attention output (`drive`
+builds the cache).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 import pool
 import profiling
 import quant
-from cache import FastGenCache
+from cache import COPY_BITS, FastGenCache
 from model import Cache
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       Union)
@@ -38,6 +58,18 @@ from quant import channel_factors, read_back, rotate, rounds, windowed
 # Scores accumulate float32 roundoff in the cache; two tokens whose scores are
 # closer than this are a tie, which the reference breaks the way the cache did.
 TIE = 1e-4
+# The cache's recoveries are float32, within 1e-4 of the reference's: a head's
+# knapsack value -(1 - r)^2 moves by up to 2e-4 with them, so the cache's optimum
+# and the reference's may differ by twice that a head, and are then a tie.
+VALUE_TIE = 4e-4
+# A budget's choice is checked by brute force over every assignment of menu
+# items to a sequence's heads up to this many; past it by dynamic programming
+# over the total cost (exact as well, only faster).
+BRUTE_FORCE = 200_000
+# A knapsack counts costs exactly up to this many units of its budget
+# (profiling.fit_budget's rule); above, in units of ceil(budget / RESOLUTION).
+RESOLUTION = 4096
+f32 = np.float32
 
 
 def ceil_share(r: float, n: int) -> int:
@@ -166,6 +198,107 @@ def carried(colsum, span):
     return [max(colsum[max(0, j - span + 1):j + 1]) for j in range(len(colsum))]
 
 
+def growth(policy, held, flags, prompt_len):
+    """The share of new tokens `policy` holds on to, what it costs of them under a
+    budget: all for Full and SnapKV (they never evict a new token), r for heavy
+    hitters, for Special and Punct the share of the `prompt_len` tokens read that
+    are flagged so among those `held`, none for what keeps a fixed number (Local,
+    Sink, TOVA); a union the sum, at most 1. In float32, as the cache prices it:
+    in exact arithmetic ceil(r * n) could differ by a token."""
+    def one(m):
+        if isinstance(m, (Full, SnapKV)):
+            return f32(1)
+        if isinstance(m, Frequent):
+            return f32(m.r)
+        if isinstance(m, (Special, Punct)):
+            bit = SPECIAL if isinstance(m, Special) else PUNCT
+            return f32(sum(1 for j in held if flags[j] & bit)) / f32(prompt_len)
+        if isinstance(m, (Local, Sink, TOVA)):
+            return f32(0)
+        raise TypeError(f"the reference does not know {m!r}")
+    if not isinstance(policy, Union):
+        return one(policy)
+    total = f32(0)
+    for m in policy.members():
+        total = f32(total + one(m))
+    return min(total, f32(1))
+
+
+def item_cost(kept, grows, new, unit, window):
+    """A menu item's cost: the tokens it keeps now plus ceil(growth * new) of the
+    `new` tokens to come (float32, as the cache computes it), `unit` each, plus
+    its `window` (bytes of a 4- or 2-bit head's newest tokens; 0 in tokens)."""
+    return (kept + int(np.ceil(f32(grows) * f32(new)))) * unit + window
+
+
+def value_of(r, reread=False):
+    """A head's knapsack value: -(1 - r)^2 of the share r it recovers (r itself
+    after reading again), r taken to six decimals; -inf where not offered."""
+    if r == -math.inf:
+        return -math.inf
+    r = round(float(r), 6)
+    return r if reread else -max(1 - r, 0.0) ** 2
+
+
+def knapsack(values, costs, budget):
+    """One sequence's heads' menu items of the most total value whose costs sum to
+    at most `budget`: values, costs [head][item] (-inf: not offered). Costs count
+    in units of ceil(budget / RESOLUTION), rounded up. Where even the cheapest
+    offered items pass the budget, those (the first of equal cost).
+
+    Returns (items, value, unit): items the optimum, by brute force over every
+    assignment (by dynamic programming where there are more than BRUTE_FORCE),
+    value its total, None where nothing fits; unit the cost unit."""
+    offered = [[i for i, v in enumerate(row) if v > -math.inf] for row in values]
+    assert all(offered), "a head is offered nothing"
+    cheapest = [min(items, key=lambda i: c[i]) for items, c in zip(offered, costs)]
+    if sum(c[i] for i, c in zip(cheapest, costs)) > budget:
+        return cheapest, None, 1
+    unit = -(-budget // RESOLUTION) if budget > 0 else 1
+    left = budget // unit
+    rounded = [[-(-x // unit) for x in row] for row in costs]
+    if math.prod(map(len, offered)) <= BRUTE_FORCE:
+        best, best_value = None, -math.inf
+        for items in itertools.product(*offered):
+            if sum(c[i] for i, c in zip(items, rounded)) <= left:
+                total = sum(v[i] for i, v in zip(items, values))
+                if total > best_value:
+                    best, best_value = list(items), total
+    else:  # the best value of each total cost, head by head
+        states = {0: (0.0, [])}
+        for items, v, c in zip(offered, values, rounded):
+            after = {}
+            for spent, (total, picks) in states.items():
+                for i in items:
+                    if spent + c[i] <= left and (spent + c[i] not in after
+                                                 or total + v[i] > after[spent + c[i]][0]):
+                        after[spent + c[i]] = (total + v[i], picks + [i])
+            states = after
+        best_value, best = max(states.values(), key=lambda t: t[0], default=(-math.inf, None))
+    assert best is not None, (  # the cheapest fit the budget, not in rounded units
+        f"no assignment fits {budget} in units of {unit}: {costs}")
+    return best, best_value, unit
+
+
+def check_budget_choice(got, values, costs, budget, where):
+    """The cache's choice `got` for one sequence's heads against `knapsack`'s:
+    the same, or another within the budget of the same value (a tie)."""
+    best, best_value, unit = knapsack(values, costs, budget)
+    spent = sum(c[i] for i, c in zip(got, costs))
+    detail = (f"{where}: cache chose {got} (value {sum(v[i] for i, v in zip(got, values))}, "
+              f"cost {spent}), the optimum is {best} (value {best_value}, cost "
+              f"{sum(c[i] for i, c in zip(best, costs))}), budget {budget}")
+    if best_value is None:  # nothing fits: the cheapest items
+        assert all(c[i] == c[j] and v[i] > -math.inf
+                   for i, j, c, v in zip(got, best, costs, values)), detail
+        return
+    assert all(v[i] > -math.inf for i, v in zip(got, values)), f"not offered: {detail}"
+    assert sum(-(-c[i] // unit) for i, c in zip(got, costs)) <= budget // unit, \
+        f"over the budget: {detail}"
+    value = sum(v[i] for i, v in zip(got, values))
+    assert got == best or value >= best_value - VALUE_TIE * len(got), detail
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """The tensors here are tiny: a thread pool only adds synchronisation, which
@@ -199,17 +332,28 @@ class Reference:
     The options are a cache.Method's, read as plain values: `threshold` its
     recovery, `budget` its kv_budget; `span` carries a prompt token's score
     to the span - 1 tokens after it, and `weigh` counts a prompt token's
-    attention times its value's norm (scaled so that a row still sums to one)."""
+    attention times its value's norm (scaled so that a row still sums to one);
+    `reread` values a head by the share it keeps, not its squared loss;
+    `copies`, where the method marks the heads that copy, says for each
+    segment whether it copies: it is offered only the policies keeping every
+    token at COPY_BITS or more, and the others not those at 16 bits or more.
+    `max_new_tokens` the tokens each sequence is planned to generate (what a
+    budget counts)."""
 
     def __init__(self, policies, threshold, prompt_lens, n_kv_heads, token_flags, rows=None,
-                 budget=None, evict_every=1, bits=None, units=None, span=1, weigh=False):
+                 budget=None, evict_every=1, bits=None, units=None, span=1, weigh=False,
+                 max_new_tokens=1, reread=False, copies=None):
         self.policies = list(policies)
+        M = len(self.policies)
         # Each policy's precision (None: unrounded), and what a token costs under
-        # it and in a full cache (cost units: tokens, or bytes with precisions).
-        self.bits, self.units = bits, units
+        # it, what a segment's window costs, and what a token costs in a full cache:
+        # in tokens, or in bytes with precisions (then the cache's, `token_bytes`).
+        self.bits = bits
+        self.units = units or ([1] * M, [0] * M, 1)
         self.evict_every = evict_every
         self.threshold, self.rows, self.budget = threshold, rows, budget
-        self.span, self.weigh = span, weigh
+        self.span, self.weigh, self.reread = span, weigh, reread
+        self.max_new_tokens, self.copies = max_new_tokens, copies
         self.lens = [int(n) for n in prompt_lens]
         self.K = n_kv_heads
         self.token_flags = token_flags.tolist()
@@ -217,12 +361,14 @@ class Reference:
     def seg(self, b, h):
         return b * self.K + h
 
-    def prefill(self, q, k, v, tokens, state):
+    def prefill(self, q, k, v, tokens, state, errors=None):
         """q: (B, H, T, D), k, v: (B, K, T, D). `state` is the cache's, after its
-        prefill (`State`), for ties only. Returns the output (B, H, T, D)
-        on the real rows (padding rows are zero)."""
+        prefill (`State`): its ranking for ties, its plan to check; `errors`
+        (S, M) what each policy's precision costs each segment, off its recovery
+        (the cache's). Returns the output (B, H, T, D) on the real rows (padding
+        rows are zero)."""
         B, H, T, D = q.shape
-        K, G = self.K, H // self.K
+        K, G, M = self.K, H // self.K, len(self.policies)
         y = torch.zeros(B, H, T, D, dtype=torch.float64)
         self.flags = [[self.token_flags[t] for t in tokens[b, :L].tolist()]
                       for b, L in enumerate(self.lens)]
@@ -231,15 +377,15 @@ class Reference:
         # A rounding segment's newest WINDOW positions since compression, and every
         # token as a window holds it: those of the window that it still holds are read so.
         self.kw, self.vw, self.window, self.width = {}, {}, {}, {}
-        self.recovery = torch.zeros(B * K, len(self.policies), dtype=torch.float64)
-        self.choice = []
+        self.recovery = torch.zeros(B * K, M, dtype=torch.float64)
         self.dropped = 0  # held tokens let go later, all segments together
         self.steps = 0  # decode steps so far
         self.since = 0  # tokens taken since the last eviction
         self.last = {}  # segment -> the latest query's attention, per position
         self.stored = {}  # segment -> the precision its tokens are stored at (its first policy's)
         self.rechosen = 0  # chunks that chose every policy again
-        for b, L in enumerate(self.lens):
+        prompt_score = {}
+        for b, L in enumerate(self.lens):  # profile: each policy's recovery, what it keeps
             for h in range(K):
                 s, heads = self.seg(b, h), slice(h * G, (h + 1) * G)
                 kk, vv = k[b, h, :L].double(), v[b, h, :L].double()
@@ -255,41 +401,56 @@ class Reference:
                 last = A[:, -1].mean(0).tolist()  # from the last row alone
                 self.last[s] = last
                 self.first[s] = first
+                prompt_score[s] = score
                 self.recovery[s] = torch.tensor([
                     brute_recovery(p, A, L, self.flags[b], score, self.rows, last,
                                    state.prompt_kept[s][i])
                     for i, p in enumerate(self.policies)])
-                self.choice.append(self.choose(self.recovery[s], state.choice[s]))
+                for i, p in enumerate(self.policies):
+                    self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], score,
+                                                  state.prompt_kept[s][i], first, last)
+        # What a policy is worth to a segment: its recovery less its precision's error.
+        worth = self.recovery - (0 if errors is None else errors.double())
+        worth = worth.masked_fill(~torch.tensor([[self.may_take(s, i) for i in range(M)]
+                                                 for s in range(B * K)]), -math.inf)
+        if self.budget is not None and M > 1:
+            self.share = []  # each sequence's share of a full cache that the choice took
+            new = self.max_new_tokens - 1
+            unit, window, full = self.units
+            for b, L in enumerate(self.lens):
+                segs = range(b * K, (b + 1) * K)
+                grows = [growth(p, range(L), self.flags[b], L) for p in self.policies]
+                costs = [[item_cost(len(self.prompt_keep[s, i]), grows[i], new, unit[i], window[i])
+                          for i in range(M)] for s in segs]
+                # A share of what its full cache would hold, prompt and new tokens, in float32.
+                budget = int(f32(self.budget) * f32((L + new) * K * full))
+                got = [state.choice[s] for s in segs]
+                check_budget_choice(got, [[value_of(r, self.reread) for r in worth[s].tolist()]
+                                          for s in segs], costs, budget, f"sequence {b}")
+                spent = sum(c[i] for c, i in zip(costs, got))
+                self.share.append(f32(f32(self.budget) * f32(spent)) / f32(max(budget, 1)))
+            self.choice = list(state.choice)  # checked: the optimum, or a tie of it
+        else:
+            self.choice = [self.choose(worth[s], state.choice[s]) for s in range(B * K)]
+        for b, L in enumerate(self.lens):  # compress: keep what the chosen policy keeps
+            for h in range(K):
+                s = self.seg(b, h)
+                kk, vv = k[b, h, :L].double(), v[b, h, :L].double()
                 every = torch.ones(1, L, dtype=torch.bool)
                 self.factors[s] = channel_factors(k[b, h, None, :L], every)[0]
                 self.stored[s] = None if self.bits is None else self.bits[self.choice[s]]
                 self.k[s], self.v[s] = self.rounded(s, kk, key=True), self.rounded(s, vv)
                 self.kw[s] = self.rounded(s, kk, key=True, window=True)
                 self.vw[s] = self.rounded(s, vv, window=True)
-                for i, p in enumerate(self.policies):
-                    self.prompt_keep[s, i] = keep(p, set(range(L)), L, L, self.flags[b], score,
-                                                  state.prompt_kept[s][i], first, last)
                 self.policy[s] = self.policies[self.choice[s]]
                 self.kept[s] = self.prompt_keep[s, self.choice[s]]
                 self.width[s] = state.window[s]
                 newest = sorted(self.kept[s])[max(len(self.kept[s]) - self.width[s], 0):]
                 self.window[s] = set(newest)
-                self.score[s] = {j: score[j] for j in self.kept[s]}
+                self.score[s] = {j: prompt_score[s][j] for j in self.kept[s]}
         self.prompt_choice = list(self.choice)  # the plan of the prompt, before any chunk
         # The cache keeps the latest query's attention where a policy of its plan reads it.
         self.has_last = any(isinstance(m, TOVA) for p in self.policy.values() for m in p.members())
-        if self.budget is not None and len(self.policies) > 1:
-            # The choice is the cache's (tests/test_profiling.py checks the knapsack
-            # against brute force); here, that it is within the budget.
-            unit, full = self.units or ([1] * len(self.policies), 1)
-            cost = [[len(self.prompt_keep[s, i]) * unit[i] for i in range(len(self.policies))]
-                    for s in range(len(self.choice))]
-            prompt_cost = sum(cost[s][c] for s, c in enumerate(self.choice))
-            # What the cache adds for the new tokens is between 0 and one per token.
-            new = state.max_new_tokens - 1
-            cheapest = sum(map(min, cost))
-            assert prompt_cost <= max(int(self.budget * K * sum(L + new for L in self.lens) * full),
-                                      cheapest + new * len(cost) * max(unit))
         return y
 
     def rounded(self, s, x, key=False, window=False):
@@ -307,17 +468,26 @@ class Reference:
         return (rotate(y) * f).double()
 
     def choose(self, recovery, cache_choice):
-        """The first policy reaching the threshold (Full when the threshold is >= 1);
-        a recovery within rounding of the threshold may go either way. Under a
-        budget, the cache's choice (checked elsewhere)."""
+        """Under a threshold: the first policy reaching it (the last when none does,
+        or the threshold is >= 1); a recovery within rounding of the threshold may go
+        either way, as the cache chose. recovery: (M,), -inf where not offered."""
         n = len(self.policies)
-        if self.budget is not None and n > 1:
-            return cache_choice
         if n == 1 or self.threshold >= 1:
             return n - 1
         if any(abs(float(r) - self.threshold) < 1e-5 for r in recovery):
             return cache_choice
         return next((i for i, r in enumerate(recovery.tolist()) if r >= self.threshold), n - 1)
+
+    def may_take(self, s, i) -> bool:
+        """Whether segment s is offered policy i at all: where the method marks the
+        heads that copy (`copies`), one that copies takes only a policy keeping
+        every token at COPY_BITS or more, and another none keeping every token at
+        16 bits or more (in the model's dtype: on the menu for those that copy)."""
+        if self.copies is None:
+            return True
+        whole = any(isinstance(m, Full) for m in self.policies[i].members())
+        bits = 16 if self.bits is None else self.bits[i]
+        return whole and bits >= COPY_BITS if self.copies[s] else not (whole and bits >= 16)
 
     def evict(self, state):
         """Each segment lets go of what its policy no longer keeps, ranked by the
@@ -422,9 +592,12 @@ class Reference:
         """After a chunk whose last rows were observed: each policy's recovery of
         what each segment holds, from those rows' attention (`held_recovery`),
         less what its precision costs (`errors`, the cache's, tested apart), and
-        the threshold's choice or, under a budget, the cache's. Returns the
-        recoveries, (S, M), -inf where the policy is not offered."""
-        S, M = len(self.kept), len(self.policies)
+        the threshold's choice or, under a budget, the knapsack's over what each
+        policy keeps of what is held and of the tokens still planned, within the
+        share of a full cache that the prompt's choice took. Returns the
+        recoveries, (S, M), -inf where the policy is not offered (`offered`; as the
+        cache's, not those `may_take` refuses, which neither can choose)."""
+        S, M, K = len(self.kept), len(self.policies), self.K
         recovery = torch.full((S, M), -math.inf, dtype=torch.float64)
         for s in range(S):
             b = s // self.K
@@ -434,9 +607,31 @@ class Reference:
                         p, self.observed[s], self.kept[s], len(self.flags[b]), self.lens[b],
                         self.flags[b], self.score[s], hint[s][i], self.first[s],
                         self.last[s]) - (0 if errors is None else float(errors[s, i]))
-        self.choice = [self.choose(recovery[s], cache_choice[s]) for s in range(S)]
+        worth = recovery.masked_fill(~torch.tensor([[self.may_take(s, i) for i in range(M)]
+                                                    for s in range(S)]), -math.inf)
+        if self.budget is not None:
+            new = max(self.max_new_tokens - 1 - self.steps, 0)
+            unit, window, full = self.units
+            for b in range(S // K):
+                segs = range(b * K, (b + 1) * K)
+                seen, L = len(self.flags[b]), self.lens[b]
+                costs = [[item_cost(len(keep(p, self.kept[s], seen, L, self.flags[b],
+                                             self.score[s], hint[s][i], self.first[s],
+                                             self.last[s])),
+                                    growth(p, self.kept[s], self.flags[b], L), new, unit[i],
+                                    window[i])
+                          for i, p in enumerate(self.policies)] for s in segs]
+                budget = int(f32(self.share[b] * f32((seen + new) * K * full)))
+                got = [cache_choice[s] for s in segs]
+                check_budget_choice(got, [[value_of(r, self.reread) for r in worth[s].tolist()]
+                                          for s in segs], costs, budget,
+                                    f"sequence {b}, chunk {self.rechosen + 1}")
+            self.choice = list(cache_choice)  # checked: the optimum, or a tie of it
+        else:
+            self.choice = [self.choose(worth[s], cache_choice[s]) for s in range(S)]
         for s, c in enumerate(self.choice):
-            assert self.offered(s, c), f"segment {s} took {self.policies[c]!r}, not offered"
+            assert self.offered(s, c) and self.may_take(s, c), \
+                f"segment {s} took {self.policies[c]!r}, not offered"
             self.policy[s] = self.policies[c]
         self.rechosen += 1
         return recovery
@@ -509,7 +704,7 @@ class CheckedCache(Cache):
     """A FastGenCache checked against the reference on every call.
 
     Under a budget it decides alone (its prefill flushes its `Pending`): the
-    reference checks the budget of one layer's heads."""
+    reference checks the choice of one layer's heads by its own knapsack."""
 
     def __init__(self, cache, atol=1e-5):
         super().__init__()
@@ -517,7 +712,9 @@ class CheckedCache(Cache):
         m = cache.method
         self.ref = Reference(cache.policies, m.recovery, cache.prompt_lens.tolist(),
                              cache.n_kv_heads, cache.token_flags, m.rows, m.kv_budget,
-                             cache.evict_every, cache.bits, span=m.span, weigh=m.weigh_values)
+                             cache.evict_every, cache.bits, span=m.span, weigh=m.weigh_values,
+                             max_new_tokens=cache.max_new_tokens, reread=m.reread,
+                             copies=cache.copies.tolist() if m.copies else None)
         self.atol = atol
         self.steps = 0
         self.tokens = 1
@@ -557,12 +754,12 @@ class CheckedCache(Cache):
         if prefill:
             self.ref.evict_every = self.cache.evict_every  # the default is set at prefill
             state.prompt_kept = kept
-            if self.cache.bits is not None:
-                unit, _, full = self.cache.token_bytes()  # (the windows left out)
-                self.ref.units = unit.tolist(), full
-            expected = self.ref.prefill(q, k, v, tokens, state)
+            if self.cache.bits is not None:  # bytes a token, a window, a full cache's token
+                unit, window, full = self.cache.token_bytes()
+                self.ref.units = unit.tolist(), window.tolist(), full
             # A precision's error (profiling.precision_errors, tested apart) comes off the recovery.
             errors = 0 if self.cache.errors is None else self.cache.errors.double()
+            expected = self.ref.prefill(q, k, v, tokens, state, self.cache.errors)
             if self.cache.recovery is None:  # a single policy measures none (cache.banded)
                 assert len(self.cache.policies) == 1
             else:
@@ -599,7 +796,7 @@ class CheckedCache(Cache):
 
 
 def drive(method, stream, lens, n_heads, n_kv_heads, max_new_tokens, token_flags, *,
-          head_dim=8, seed=0, scale=1.5, chunks=None, page=None) -> CheckedCache:
+          head_dim=8, seed=0, scale=1.5, chunks=None, page=None, copies=None) -> CheckedCache:
     """Run a FastGenCache of `method` (cache.Method) and the reference on
     random queries, keys and values: a prefill of prompts `lens` long, then
     max_new_tokens - 1 decode steps, or the steps `chunks` lists: each a list
@@ -608,13 +805,13 @@ def drive(method, stream, lens, n_heads, n_kv_heads, max_new_tokens, token_flags
 
     stream: (B, width) token ids; sequence b's prompt is stream[b, :lens[b]]
     and its next tokens follow. `scale` sharpens attention so that heavy
-    hitters stand out. `page` goes to FastGenCache.
+    hitters stand out. `page` and `copies` (the KV heads that copy) go to FastGenCache.
     """
     g = torch.Generator().manual_seed(seed)
     B, T, D = len(lens), max(lens), head_dim
     randn = lambda *shape: torch.randn(*shape, generator=g)
     cache = FastGenCache(method, torch.tensor(lens), max_new_tokens, n_kv_heads, token_flags,
-                         page=page)
+                         page=page, copies=copies)
     checked = CheckedCache(cache)
     with torch.no_grad():
         # Padding rows and columns hold junk that must not matter.

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import cache
+import generation
 from generation import CacheOptions, generate, read_again
 from model import ModelArgs, Transformer, reserve
-from kernels import flash_reread_sums
 from profiling import READ_NORM, reread_profile, reread_sums
 from reference import one_thread, rotation_of_fixed_bits  # noqa: F401  (autouse fixtures)
 from studies.evaluate import Recorder
@@ -45,8 +45,12 @@ def brute_reread(q, k, v, held_k, held_v, lens, counts):
     return y, score.flatten(0, 1)
 
 
-@pytest.mark.parametrize("chunk_bytes", [4000, 1 << 20])
-def test_reread_sums_are_the_attention_of_the_context_read_again(chunk_bytes):
+@pytest.mark.parametrize("flash", [True, False])
+def test_reread_sums_are_the_attention_of_the_context_read_again(flash, monkeypatch):
+    """With torch's CPU flash kernel and with the plain softmax that stands in for it elsewhere."""
+    if not flash:
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None,
+                            raising=False)
     g = torch.Generator().manual_seed(1)
     B, H, K, R, T, D = 2, 6, 2, 9, 11, 8
     q, k, v = (torch.randn(B, n, R, D, generator=g) * 2 for n in (H, K, K))
@@ -55,14 +59,10 @@ def test_reread_sums_are_the_attention_of_the_context_read_again(chunk_bytes):
     held_k[1, :, 6:] = 100  # padding: junk that must not count
     want_y, want = brute_reread(q, k, v, held_k, held_v, lens, counts)
     held = torch.arange(T) < lens[:, None]
-    for fn in (lambda *a: reread_sums(*a, chunk_bytes=chunk_bytes), flash_reread_sums):
-        got = fn(q, k, v, held_k, held_v, held, counts)
-        if got is None:
-            continue  # no CPU flash kernel in this torch
-        y, colsum = got
-        torch.testing.assert_close(colsum, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(y[0], want_y[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(y[1, :, :4], want_y[1, :, :4], atol=1e-5, rtol=1e-5)
+    y, colsum = reread_sums(q, k, v, held_k, held_v, held, counts)
+    torch.testing.assert_close(colsum, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y[0], want_y[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y[1, :, :4], want_y[1, :, :4], atol=1e-5, rtol=1e-5)
 
 
 def test_reread_profile_is_the_scores_and_local_their_end():
@@ -159,6 +159,23 @@ def test_ask_after_leaves_the_prompts_logits_and_the_policies():
     full = generate(model, prompts, 1)
     assert runs[True].tokens == runs[False].tokens == full.tokens  # sampled before compression
     assert runs[True].plan == runs[False].plan  # one fixed policy: what it ranks by differs
+
+
+@pytest.mark.parametrize("step", ["reserve", "eager decode"])
+def test_a_prompt_not_read_again_fails_loudly_before_decoding(step):
+    """Decoding a cache that asks after, when the prompt was never read again, raises one
+    error naming the step that was skipped, not an AttributeError deep in the pool."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
+    tokens = torch.randint(1, 200, (1, 30))
+    caches = generation.make_caches(model, CacheOptions("fastgen", kv_budget=0.5, ask_after=True),
+                                    [30], 4)
+    model.setup_caches(caches)
+    model(tokens, torch.arange(30)[None])  # a plain prefill, no read_again
+    with pytest.raises(RuntimeError, match="read_again"):
+        if step == "reserve":
+            reserve(model.caches())
+        model(tokens[:, :1], torch.tensor([[30]]))
 
 
 @pytest.mark.parametrize("options, message", [

@@ -6,14 +6,12 @@ import pytest
 import torch
 
 import cache
-import kernels
 import pool
 from cache import FastGenCache, Method, fastgen_caches
 from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer, causal_attention, reserve
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
-from kernels import flash_sums
 from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, local_ratios, prompt_slots,
                        recovery, weigh)
 from reference import one_thread, rotation_of_fixed_bits  # noqa: F401  (autouse fixtures)
@@ -33,24 +31,6 @@ PROFILED = [*shortlist(0.3, 0.3), *shortlist(0.2, 0.4, "mean")[2:4], baseline("l
             baseline("sink", 0.2), baseline("h2o", 0.5), Special() | Local(0.2),
             Sink(2) | Frequent(0.25), TOVA(0.4), SnapKV(0.5, window=3, kernel=3),
             Local(0.1) | Local(0.3)]
-
-
-def test_flash_sums_are_every_rows_sums():
-    """flash_sums: the prefill's attention to the bit, and every row's column
-    sums and last row as attention_sums takes them densely, padding ignored."""
-    g = torch.Generator().manual_seed(3)
-    B, H, K, D, lens = 2, 6, 2, 8, torch.tensor([13, 7])
-    q, k, v = (torch.randn(B, n, 13, D, generator=g) * 2 for n in (H, K, K))
-    q[1, :, 7:], k[1, :, 7:] = 100, -100  # padding: junk that must not count
-    got = flash_sums(q, k, v, lens)
-    if got is None:
-        pytest.skip("this torch has no CPU flash attention kernel")
-    out, sums = got
-    want = attention_sums(q, k, lens)
-    assert torch.equal(out, causal_attention(q, k, v))
-    torch.testing.assert_close(sums.colsum, want.colsum, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sums.last, want.last, atol=1e-6, rtol=1e-5)
-    assert torch.equal(sums.rows, want.rows)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 5, None])
@@ -119,14 +99,7 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["paged", "masked"])
-def decode_attention(request, monkeypatch):
-    """Decode with one of the cache's two attentions, whatever the batch."""
-    monkeypatch.setattr(pool, "MASKED_SCORES", {"paged": 0, "masked": 1 << 62}[request.param])
-    return request.param
-
-
-def test_masked_attention_equals_paged():
+def test_paged_attention_is_each_segments_softmax_over_its_pages():
     g = torch.Generator().manual_seed(0)
     S, G, D, N, P = 3, 2, 8, 7, 4
     q, k, v = (torch.randn(*shape, generator=g) for shape in [(S, G, D), (N, D, P), (N, P, D)])
@@ -134,12 +107,7 @@ def test_masked_attention_equals_paged():
     held = torch.rand(N, P, generator=g) < 0.6
     held[:, 0] = True  # every segment holds something
     held[4] = False  # a page with nothing in it
-    y, last = kernels.masked_attention(q, k.transpose(0, 1).reshape(D, N * P), v.view(N * P, D),
-                                    kernels.slot_bias(~held, owner, S))
-    last = last.view(N, P)
-    y_ref, last_ref = kernels.paged_attention(q, k, v, ~held, owner)
-    torch.testing.assert_close(y, y_ref)
-    torch.testing.assert_close(last, last_ref)
+    y, last = pool.paged_attention(q, k, v, ~held, owner)
     for s in range(S):  # each segment's softmax over the slots it holds, (K transposed in pages)
         mine = held & (owner == s)[:, None]
         keys, values = k.transpose(1, 2)[mine], v[mine]  # (n, D)
@@ -154,7 +122,7 @@ def test_masked_attention_equals_paged():
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("lens, n_heads, n_kv_heads", [([12, 20], 6, 2), ([17], 4, 4),
                                                        ([20, 13, 15], 4, 1)])
-def test_cache_equals_masked_dense_reference(name, lens, n_heads, n_kv_heads, decode_attention):
+def test_cache_equals_masked_dense_reference(name, lens, n_heads, n_kv_heads):
     policies, threshold = CASES[name]
     seed = len(lens) * 100 + n_heads * 10 + n_kv_heads
     g = torch.Generator().manual_seed(seed)
@@ -227,26 +195,6 @@ def test_a_policy_that_reads_no_sums_profiles_the_last_row_alone(kind):
                            greedy(model, prompts, every_row, max_new))
     for kind in ("h2o", "snapkv"):
         assert make_caches(model, CacheOptions(kind), lens, max_new, flags)[0].method.rows != 1
-
-
-def test_a_policy_that_reads_every_row_sums_them_at_prefill(monkeypatch):
-    """h2o reads every row and no band: its caches take every row's sums in
-    the prefill's own pass (flash_sums, where torch has it) and decode as
-    with the dense sums."""
-    model = tiny_model()
-    lens, max_new = [30, 21], 8
-    prompts, flags = prompts_of(lens, seed=3), random_flags(256, 0)
-    if flash_sums(*(torch.zeros(1, 1, 2, 8),) * 3, torch.tensor([2])) is None:
-        pytest.skip("this torch has no CPU flash attention kernel")
-    calls = []
-    monkeypatch.setattr(cache, "flash_sums", lambda *a: calls.append(1) or flash_sums(*a))
-    options = CacheOptions("h2o", kv_budget=0.3)
-    with torch.no_grad():
-        got = greedy(model, prompts, make_caches(model, options, lens, max_new, flags), max_new)
-        assert len(calls) == model.args.n_layers
-        monkeypatch.setattr(cache, "flash_sums", lambda *a: None)  # the dense sums
-        dense = greedy(model, prompts, make_caches(model, options, lens, max_new, flags), max_new)
-    torch.testing.assert_close(got, dense, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("policies, threshold", [(shortlist(0.2, 0.2), 0.8),
@@ -487,8 +435,6 @@ def pool_bytes(cache):
     buffers = {name.removeprefix("pool."): t for name, t in cache.named_buffers()}
     if not any(p.reads_last for p in cache.plan()):
         named.remove("last")  # kept only for a policy that reads it (TOVA)
-    if isinstance(cache.pool, pool.MaskedPool):
-        named.add("bias")  # masked_attention's
     assert set(buffers) == named | {"prompt_lens", "token_flags"}  # the last two: inputs
     assert not list(cache.parameters())
     return sum(buffers[n].nbytes for n in named)
@@ -507,7 +453,7 @@ def test_reported_compression_is_what_the_tensors_hold():
         assert c.cache.nbytes() == pool_bytes(c.cache)
         p = c.cache.pool
         N, P, D = p.v.shape
-        assert p.k.shape == ((D, N * P) if isinstance(p, pool.MaskedPool) else (N, D, P))
+        assert p.k.shape == (N, D, P)
         assert p.owner.shape == (N,)
         assert all(t.shape == (N, P) for t in (p.pos, p.score, p.flags))
         # Each group's block is as wide as its fullest segment plus one round of new
@@ -569,7 +515,7 @@ def first_token(model, prompts):
 
 
 @pytest.mark.parametrize("kv", ["full", "fastgen"])
-def test_decode_compiles_once_without_graph_breaks(kv, decode_attention):
+def test_decode_compiles_once_without_graph_breaks(kv):
     import torch._dynamo
     model = tiny_model()
     lens, max_new = [9, 14], 6
@@ -784,7 +730,7 @@ def test_a_chunk_chooses_again_as_a_prompt_would(rows):
     Method(shortlist(0.2, 0.2), recovery=0.8, rows=4),
     Method(menu(), kv_budget=0.4, rows=6, span=4, weigh_values=True),  # the default's options
 ], ids=["threshold", "threshold-rows", "budget"])
-def test_chunks_choose_again_as_the_reference_does(method, decode_attention):
+def test_chunks_choose_again_as_the_reference_does(method):
     """Each chunk that every sequence takes whole (not the one with padding)
     chooses every head's policy again, from its last rows' attention over what
     the head holds: the same recoveries and plan as the reference's, which the

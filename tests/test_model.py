@@ -96,3 +96,18 @@ def test_chunks_on_top_of_the_cache_equal_one_forward():
         parts = [model(tokens[:, a:b], torch.arange(a, b).expand(2, b - a))
                  for a, b in [(0, 30), (30, 31), (31, 64), (64, 70)]]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_no_top_level_module_shadows_a_package_transformers_imports():
+    """Run from the project's root, as users do, transformers' Llama still imports: no top-level
+    module takes the name of a package the ecosystem imports (`kernels`, `profile`, ...)."""
+    import pathlib
+    import subprocess
+    import sys
+    pytest.importorskip("transformers")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    shadows = {"kernels", "profile", "tokenizers", "safetensors", "accelerate", "gguf"}
+    assert not shadows & {p.stem for p in root.glob("*.py")}
+    run = subprocess.run([sys.executable, "-c", "from transformers import LlamaForCausalLM"],
+                         cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

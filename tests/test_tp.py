@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import pool
 from conftest import CORPUS, save_tiny_hf, save_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,11 +24,6 @@ KINDS = ("full", "fastgen", "h2o", "snapkv")
 # The budget mode, FastGen's default: the budget is shared by the heads of every
 # cache.SCOPE layers (these models' two), every rank's.
 BUDGETS = (0.5, 0.3)
-# `work` runs with every pool paged: a pool small enough for masked_attention
-# also holds a bias per segment and slot, and ranks with 1/n of the segments
-# hold 1/n of it in all, so their bytes would not add up to one process's (the
-# two attentions' equality is test_cache.py's).
-PAGED = 0
 
 
 def torchrun(n: int, *args, timeout=120):
@@ -102,7 +96,6 @@ def test_tensor_parallel_equals_one_process(ckpts, tmp_path, kv_heads, n, monkey
     out = tmp_path / "tp.pt"
     r = torchrun(n, __file__, "work", ckpts[kv_heads], out)
     assert r.returncode == 0, r.stderr
-    monkeypatch.setattr(pool, "MASKED_SCORES", PAGED)
     got, want = torch.load(out), work(ckpts[kv_heads])
     for key in ("logits", "logits_fastgen", "logits_budget"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
@@ -165,7 +158,6 @@ def test_chunked_prefill_choosing_again_equals_one_process(ckpts, tmp_path, kv_h
     out = tmp_path / "tp.pt"
     r = torchrun(n, __file__, "chunked", ckpts[kv_heads], out)
     assert r.returncode == 0, r.stderr
-    monkeypatch.setattr(pool, "MASKED_SCORES", PAGED)
     got, want = torch.load(out), chunked(ckpts[kv_heads])
     assert got.keys() == want.keys()
     for key, w in want.items():
@@ -236,7 +228,6 @@ def worker(task, ckpt, out=None):
     import tp
     tp.init("cpu")
     if task in ("work", "chunked"):
-        pool.MASKED_SCORES = PAGED
         result = (work if task == "work" else chunked)(ckpt)
         if tp.rank() == 0:
             torch.save(result, out)
