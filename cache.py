@@ -18,7 +18,7 @@ policy for every head (`fixed_method`). In the order it runs:
 5. Chunk (`FastGenCache.chunk`): T tokens at once (a chat's next turn, a prompt in pieces), as
    T decode steps; its last rows choose the policies again (`choose_again`).
 
-With `Method.reread` (`--ask-after`), deciding waits until the prompt is read again
+With `Method.ask_after` (`--ask-after`), deciding waits until the prompt is read again
 (generation.read_again, `FastGenCache.read_again`): the most attention that reading gives each
 prompt token, times READ_WEIGHT, is its score, for questions asked after the prompt, or what the
 prompt's last rows gave it, where more, for its continuation; the knapsack keeps the most score
@@ -40,37 +40,32 @@ from model import Cache, causal_attention
 from policies import Full, Policy, Slots, baseline, menu, shortlist
 from profiling import (COPY_SHARE, Profile, attention_sums, choose, fit_budgets, held_profile,
                        induction_scores, local_ratios, precision_errors, prompt_slots, recoveries,
-                       reread_profile, reread_sums, squared_losses, weigh)
+                       read_again_profile, read_again_sums, squared_losses, weigh)
 from quant import rounds, token_bytes, window_bytes
 
 # Letters in shape comments: B batch, K KV heads, H query heads, G = H // K,
 # S = B*K segments, T prompt tokens, L layers, M policies, D head dimension.
 
+# The constants below were chosen by measurement; studies/README.md gives each its study.
 EVICT_EVERY = 8  # tokens between evictions, at least; a segment holds at most this many extra
 # Prompt K, V, queries that layers in `Pending` may hold (threshold mode), besides one layer's.
 HELD_BYTES = 16 << 20
 # The default's profile: the last ROWS prompt rows, each token scored over SPAN tokens; its
-# budget shared by the heads of SCOPE layers (studies/README.md).
+# budget shared by the heads of SCOPE layers.
 ROWS, SPAN, SCOPE = 32, 16, 6
 # A piece read again attends to the prompt's first READ_SINKS tokens and to its tokens from
-# READ_BEFORE before the part it repeats to that part's end (studies/README.md, ask_after).
+# READ_BEFORE before the part it repeats to that part's end.
 READ_SINKS, READ_BEFORE = 4, 1024
 # What reading the prompt again gives a token weighs this much against the attention its last
-# ROWS rows gave it: 1/4 lowered text KL at a quarter and a half on three texts, keeping the
-# needles asked after at 2k; 1 lost the text, 1/16 a needle. A chunk's score sums all its rows,
-# which outweigh a reading already: there it is not weighed, as 1/4 lost every chat recall
-# (studies/README.md, ask_after).
+# ROWS rows gave it. A chunk's score sums all its rows, which outweigh a reading already: there
+# the reading is not weighed.
 READ_WEIGHT = 0.25
-# Random tokens said twice find the heads that copy (`copy_heads`, profiling.COPY_SHARE). They
-# keep every token, at COPY_BITS or more (at 4 they garbled numbers copied: 3 needles of 20 at
-# 4k), where a head kept so costs at most COPY_COST times a head's share of the budget. At twice
-# (8 bits at a quarter, the model's dtype at a half) they lowered KL on three texts; at 2.5 times
-# (4 bits at an eighth) top-1 fell on three, at 4 times (the model's dtype at a quarter) news
-# lost KL (studies/README.md, copy_heads).
+# Random tokens said twice (COPY_PROBE of them) find the heads that copy (`copy_heads`). They
+# keep every token, at COPY_BITS or more (fewer garble the numbers they copy), where a head kept
+# so costs at most COPY_COST times a head's share of the budget.
 COPY_PROBE, COPY_COST, COPY_BITS = 96, 2, 8
 # What a rounding error (profiling.precision_errors) weighs against the attention a policy
-# evicts, in the default's recoveries: chosen by KL on the documentation (studies/README.md,
-# evaluate, "Precision"); 1 held most heads at 8 bits, where 4 bits keep more tokens and lose less.
+# evicts: a rounded token changes the output less than an evicted one.
 ROUNDING_WEIGHT = 0.25
 
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
@@ -83,10 +78,7 @@ UNREAD = ("a cache that chooses for questions asked after the prompt (ask_after)
 
 def budget_window(kv_budget: float) -> int:
     """The newest tokens a 4- or 2-bit head keeps to about 8 bits under the default's budget: 256
-    times the budget, from 32 to 128, about a tenth of a head's bytes at every budget. Held as
-    what 4-bit codes miss, this lost less KL than 128 times (16 to 64) on three texts at an
-    eighth, a quarter and a half, or as much (news at a half aside); in 8 bits 128 times lost
-    least (studies/README.md, evaluate, "Precision")."""
+    times the budget, from 32 to 128, about a tenth of a head's bytes at every budget."""
     return min(128, max(32, round(256 * kv_budget)))
 
 
@@ -110,7 +102,7 @@ class Method:
         a prompt token's attention counts times its value's norm
     evict_every : int, optional
         tokens between evictions; None: half a page, at least EVICT_EVERY
-    reread : bool, default False
+    ask_after : bool, default False
         profile by the context read again (generation.read_again), for questions asked after
         it, and by its last rows: each head is worth the score it keeps, not its squared loss
     window : int, optional
@@ -127,7 +119,7 @@ class Method:
     span: int = 1
     weigh_values: bool = False
     evict_every: int | None = None
-    reread: bool = False
+    ask_after: bool = False
     window: int | None = None
     copies: bool = False
 
@@ -152,22 +144,21 @@ def at_bits(policies: list[Policy], kv_bits) -> tuple[list[Policy], list[int] | 
     return [p for p, _ in items], [b for _, b in items]
 
 
-def default_method(kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
+def default_method(kv_budget: float = 0.5, kv_bits=None, ask_after: bool = False) -> Method:
     """FastGen's default: the menu under a byte budget, heavy hitters by mean attention; the heads
     that copy keep every token where that costs at most COPY_COST times a head's share."""
     policies, bits = at_bits(menu(by="mean"), kv_bits)
     # A head kept whole costs COPY_BITS / 16 of a 16-bit one where the menu has Full at COPY_BITS
     # or more; in the model's dtype all of it, and Full joins the menu for them alone.
     whole = 1 if bits is None else COPY_BITS / 16 if any(copying(policies, bits)) else math.inf
-    copies = not reread and whole <= COPY_COST * kv_budget
+    copies = not ask_after and whole <= COPY_COST * kv_budget
     if copies and whole == 1:
         policies = policies + [Full()]
     # Read again, neither carries nor marks heads that copy: each token is scored by what copying
-    # it took, and the window stays quant.WINDOW: 16 found one needle fewer in 32
-    # (studies/README.md, ask_after).
-    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if reread else SPAN,
-                  weigh_values=not reread, reread=reread,
-                  window=None if reread else budget_window(kv_budget), copies=copies)
+    # it took, and the window stays quant.WINDOW.
+    return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if ask_after else SPAN,
+                  weigh_values=not ask_after, ask_after=ask_after,
+                  window=None if ask_after else budget_window(kv_budget), copies=copies)
 
 
 def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
@@ -176,11 +167,11 @@ def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
     return Method(policies, bits, recovery=recovery, rows=None, evict_every=1)
 
 
-def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None, reread: bool = False) -> Method:
+def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None, ask_after: bool = False) -> Method:
     """One policy (policies.baseline) for all, profiled on the rows its ranking reads."""
     policy = baseline(kind, kv_budget)
     policies, bits = at_bits([policy], kv_bits)
-    return Method(policies, bits, rows=policy.rows, reread=reread)
+    return Method(policies, bits, rows=policy.rows, ask_after=ask_after)
 
 
 @dataclass
@@ -248,28 +239,25 @@ class FastGenCache(Cache):
         self.copies = copies.to(lens.device).repeat(len(lens))
         self.pool = None  # built by `compress`
         self.choice = self.recovery = None  # the plan, (S,) and (S, len(policies))
+        self.profile_s = 0.0  # prefill time spent profiling, choosing and compressing
         self.clock = Clock()
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.every = None  # every row's Profile, prefill to `decide`, where it is read
-        self.rereading = False  # the next forward reads again (`reading_again`)
-        self.reread = None  # what reading again gave what is held: (S, T), or (n, C) a group
+        self.reads_next = False  # the next forward reads again (`read_piece`)
+        self.read_scores = None  # what reading again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
         self.read_from = None  # (B,) the prompt position where the part read again starts
         rows = method.rows
         self.first_row = 0 if rows is None else int((lens - lens.clamp(max=rows)).min())
 
     @property
-    def rereads(self) -> bool:
-        return self.method.reread
-
-    @property
     def ranks(self) -> bool:
         """Whether a policy may rank the held tokens (by score or flags): not where all keep all."""
-        return self.method.reread or not all(p.keeps_all for p in self.policies)
+        return self.method.ask_after or not all(p.keeps_all for p in self.policies)
 
     def forward(self, q, k, v, input_pos, tokens):
-        if self.rereading:
+        if self.reads_next:
             return self.read_again(q, k, v)
         if self.pool is None:
             if self.held is not None:  # the prompt waits for `decide`: only reading again does
@@ -284,7 +272,7 @@ class FastGenCache(Cache):
         t0 = _clock(q.device)
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
         # Every row profiled and no band (h2o's): profile now, while q is whole.
-        if self.method.rows is None and not banded(self.policies) and not self.method.reread:
+        if self.method.rows is None and not banded(self.policies) and not self.method.ask_after:
             self.every = attention_sums(q, k, self.prompt_lens)
         self.head_dim = k.shape[-1]
         self.profile_s = _clock(q.device) - t0
@@ -295,10 +283,10 @@ class FastGenCache(Cache):
         """Attend, causally, over these R tokens read again and, of what is held (the prompt
         before `decide`, else the pool), over the window READ_SINKS and READ_BEFORE give the
         R prompt tokens from `read_from` that they repeat; add what each held token got to
-        `reread`, holding none of them. A token read again then costs a bounded amount, not
+        `ask_after`, holding none of them. A token read again then costs a bounded amount, not
         all that is held."""
         t0 = _clock(q.device)
-        sums = reread_sums
+        sums = read_again_sums
         B, H, R, D = q.shape
         if self.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
             _, ck, cv, _ = self.held
@@ -327,7 +315,7 @@ class FastGenCache(Cache):
                                    g.block(values)[:, None], reads, counts[seg])
                 got.append(col)
             y = self.pool.turned(y).view(B, H, R, D)
-        self.reread = got if self.reread is None else list(map(torch.maximum, self.reread, got))
+        self.read_scores = got if self.read_scores is None else list(map(torch.maximum, self.read_scores, got))
         self.profile_s += _clock(q.device) - t0
         return y
 
@@ -336,14 +324,14 @@ class FastGenCache(Cache):
         not weighed (READ_WEIGHT), or what rows gave it while held, where more; choose again."""
         groups, ratios = self.pool.groups, local_ratios(self.policies)
         profiles = []
-        for g, got in zip(groups, self.reread):
+        for g, got in zip(groups, self.read_scores):
             score = g.block(self.pool.score)
             score.copy_(torch.maximum(score, got))
             if "last" in self.pool.fields:  # what TOVA ranks by when it next evicts
                 g.block(self.pool.last).copy_(score)
             s = self.slots(g)
-            profiles.append(reread_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len, ratios))
-        self.reread = None
+            profiles.append(read_again_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len, ratios))
+        self.read_scores = None
         if len(self.policies) > 1:
             self.choose_again(profiles)
 
@@ -357,7 +345,6 @@ class FastGenCache(Cache):
         if kv is not None:
             prompt.fields = {name: f(*(t.flatten(0, 1) for t in kv)).float()
                              for name, f in self.measures.items()}
-        prompt.keeps_all(self.policies)
         if len(self.policies) == 1:
             return prompt, None
         return prompt, recoveries(self.policies, prompt, sums)
@@ -425,7 +412,7 @@ class FastGenCache(Cache):
                         at.masked_fill(~valid, -1).view(-1), flags.reshape(-1),
                         self.pool.taken(T).reshape(-1), per=T)
         # The rows that choose again: the chunk's last, if every sequence has them.
-        rechoose = len(self.policies) > 1 and bool(valid[:, -1].all()) and not self.method.reread
+        rechoose = len(self.policies) > 1 and bool(valid[:, -1].all()) and not self.method.ask_after
         R = min(self.method.rows or T, T) if rechoose else 0
         y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid, observe=R)
         self.seg_prompt_len += counts
@@ -449,7 +436,6 @@ class FastGenCache(Cache):
             seg = g.seg.to(device)
             s = self.slots(g)
             s.last = prof.last
-            s.keeps_all(P)
             values[seg] = recoveries(P, s, prof)
             growth = growths(P, s)
             costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
@@ -566,7 +552,7 @@ class Pending:
     def add(self, cache: FastGenCache):
         self.waiting.append(cache)
         self.profiled += 1
-        if cache.method.reread:  # they decide once the context was read again
+        if cache.method.ask_after:  # they decide once the context was read again
             return
         held = sum(t.nbytes for c in self.waiting for t in c.held[:3])
         # Decide now if one more layer like these would pass the limit.
@@ -598,7 +584,7 @@ def decide(caches: list[FastGenCache]):
         errors = precision_errors(q, k, v, first.prompt_lens.repeat(len(caches)), kinds,
                                   first.method.rows, first.method.window)
         errors = errors[:, [kinds.index(b) for b in first.bits]]  # (L * S, M)
-        if first.method.reread:  # shares of the attention, as score: of all the head's
+        if first.method.ask_after:  # shares of the attention, as score: of all the head's
             errors = errors * sums.colsum.sum(1, keepdim=True)
         else:  # as attention evicted: a share of it changes the output more than rounding
             errors = errors * ROUNDING_WEIGHT
@@ -612,7 +598,7 @@ def decide(caches: list[FastGenCache]):
     compress(caches, prompt, keeps, growth)
     spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:
-        c.held = c.every = c.reread = None
+        c.held = c.every = c.read_scores = None
         c.profile_s += spent
 
 
@@ -625,15 +611,15 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
         group = caches[i:i + per]
         q, k, v = (torch.cat([c.held[j] for c in group]) for j in range(3))
         lens = first.prompt_lens.repeat(len(group))
-        if method.reread:
+        if method.ask_after:
             # A token scores the more of what copying it took, weighed, and what the prompt's
             # last rows gave it, summed: continuing the prompt reads what they read (a chunk's
             # rows add theirs to the scores, as decoding does).
             last = attention_sums(q, k, lens, (), method.rows).colsum
-            score = torch.maximum(torch.cat([c.reread[0] for c in group]) * READ_WEIGHT, last)
+            score = torch.maximum(torch.cat([c.read_scores[0] for c in group]) * READ_WEIGHT, last)
             lens = lens.repeat_interleave(first.n_kv_heads)[:, None]  # (S, 1)
             pos = torch.arange(k.shape[2], device=lens.device).expand(len(lens), -1)
-            sums = reread_profile(score, pos, lens, lens, banded(first.policies))
+            sums = read_again_profile(score, pos, lens, lens, banded(first.policies))
         elif first.every is not None:  # at prefill
             sums = Profile.cat([c.every for c in group])
         else:
@@ -711,7 +697,7 @@ def worth(method: Method, recovery) -> torch.Tensor:
     decimals is equal: sums taken in another order (tensor parallel's ranks, another CPU) differ
     in their last bits, and would otherwise break a tie (two policies keeping all) either way."""
     recovery = recovery.round(decimals=6)
-    return recovery if method.reread else squared_losses(recovery)
+    return recovery if method.ask_after else squared_losses(recovery)
 
 
 def knapsacks(values, costs, budgets):
@@ -803,13 +789,13 @@ def evict(caches: list[FastGenCache]):
                segments, keeps)
 
 
-def reading_again(caches: list[FastGenCache], counts=None, first=None):
+def read_piece(caches: list[FastGenCache], counts=None, first=None):
     """Before each piece of a reading again (generation.read_again), its tokens (B,) per
     sequence and the prompt position `first` (B,) of the part it reads again; no counts
     ends the reading: every layer profiles what it gave and decides."""
     if counts is None:
         for c in caches:
-            c.rereading = False
+            c.reads_next = False
         if caches[0].pool is None:
             caches[0].pending.flush()
         else:
@@ -817,9 +803,14 @@ def reading_again(caches: list[FastGenCache], counts=None, first=None):
                 c.choose_from_reading()
         return
     for c in caches:
-        c.rereading = True
+        c.reads_next = True
         c.counts = torch.as_tensor(counts, device=c.prompt_lens.device)
         c.read_from = torch.as_tensor(first, device=c.prompt_lens.device)
+
+
+def asks_after(caches: list) -> bool:
+    """Whether a model's caches choose what to keep once the prompt is read again."""
+    return isinstance(caches[0], FastGenCache) and caches[0].method.ask_after
 
 
 def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, token_flags=None,

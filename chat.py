@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cache import asks_after
 from model import reserve
 from generation import CacheOptions, decode, dense_kv_bytes, make_caches, read_again, sample
 from tokenizer import TokenizerError, not_utf8_at
@@ -168,7 +169,7 @@ class Chat:
                 reserve(model.caches(), torch.tensor([n], device=self.device))
             pos = torch.arange(start + i, start + i + n, device=self.device)[None]
             logits = model(part, pos, logits_at=torch.tensor([n - 1], device=self.device))
-            if model.caches()[0].rereads:  # what it keeps of the chunk, chosen for later turns
+            if asks_after(model.caches()):  # what it keeps of the chunk, chosen for later turns
                 read_again(model, part, torch.tensor([n], device=self.device), start=pos[:, -1] + 1)
         return sample(logits[:, 0], **self.sampling)[:, None]
 

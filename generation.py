@@ -19,7 +19,8 @@ import torch
 
 import tp
 import cache as fastgen_cache
-from cache import default_method, fastgen_caches, fixed_method, paper_method
+from cache import (FastGenCache, asks_after, default_method, fastgen_caches, fixed_method,
+                   paper_method)
 from model import KVCache, Transformer, reserve
 from pool import page_size
 from policies import FIXED, token_flags
@@ -70,7 +71,7 @@ def prefill_logits(model: Transformer, tokens, prompt_lens, chunk: int | None = 
         at = (prompt_lens - 1 - s).clamp(0, min(chunk, T - s) - 1)
         logits = model(tokens[:, s:s + chunk], positions[:, s:s + chunk], logits_at=at)[:, 0]
         read = (prompt_lens - s).clamp(0, chunk)
-        if getattr(model.caches()[0], "rereads", False) and bool((read > 0).all()):
+        if asks_after(model.caches()) and bool((read > 0).all()):
             read_again(model, tokens[:, s:s + chunk], read, start=s + read)
         ends_here = ((prompt_lens - 1) // chunk == s // chunk)[:, None]
         last = logits if last is None else torch.where(ends_here, logits, last)
@@ -85,24 +86,24 @@ def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ
                decide: bool = True):
     """Read again what the caches read last, tokens (B, T) of which counts (B,)
     each sequence's, in pieces of `piece` tokens, for caches that choose what
-    to keep by the attention it gives (cache.Method.reread): KVzip's context
+    to keep by the attention it gives (cache.Method.ask_after): KVzip's context
     reconstruction in chunks, each piece attending to the first tokens, its
     own part of what is held and the part before it, and causally to itself
     (FastGenCache.read_again). Nothing of it is kept. A piece is placed at
     `start` (B,), the position after what was read (default: counts, a whole
     prompt), or earlier where it would run past the model's context. With
     `decide` False the caches hold what it gave until
-    cache.reading_again(caches)."""
+    cache.read_piece(caches)."""
     caches, B = model.caches(), len(tokens)
     start = counts if start is None else start
     for s in range(0, tokens.shape[1], piece):
         part = tokens[:, s:s + piece]
         at = start.clamp(max=model.args.max_seq_len - part.shape[1])
-        fastgen_cache.reading_again(caches, (counts - s).clamp(0, piece), start - counts + s)
+        fastgen_cache.read_piece(caches, (counts - s).clamp(0, piece), start - counts + s)
         model(part, at[:, None] + torch.arange(part.shape[1], device=part.device),
               logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
     if decide:
-        fastgen_cache.reading_again(caches)
+        fastgen_cache.read_piece(caches)
 
 
 def decode_one_token(model: Transformer, token, input_pos, **sampling):
@@ -189,7 +190,7 @@ class CacheOptions:
         read prompts in pieces of this many tokens
     ask_after : bool, default False
         compressed caches: choose what to keep for questions asked after the
-        prompt, by reading it again (cache.Method.reread), not by its last rows
+        prompt, by reading it again (cache.Method.ask_after), not by its last rows
     """
     kv: str = "full"
     _: KW_ONLY
@@ -247,9 +248,9 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     if o.kv == "fastgen" and o.paper:
         method = paper_method(0.95 if o.recovery is None else o.recovery, o.kv_bits)
     elif o.kv == "fastgen":
-        method = default_method(budget, o.kv_bits, reread=o.ask_after)
+        method = default_method(budget, o.kv_bits, ask_after=o.ask_after)
     else:
-        method = fixed_method(o.kv, budget, o.kv_bits, reread=o.ask_after)
+        method = fixed_method(o.kv, budget, o.kv_bits, ask_after=o.ask_after)
     # Tensor parallel: a budget spans every rank's heads, which share their tables.
     heads = tp.Heads(len(prompt_lens)) if tp.world() > 1 and method.kv_budget else None
     page = None
@@ -392,10 +393,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
                      dense_kv_bytes(model, B, T + max_new_tokens, 16 if cache.kv_bits else None),
                      full_kv_bits=16 if cache.kv_bits else None)
     gen.interrupted = interrupted
-    plan = [c.plan_names() for c in caches]
-    if plan[0]:  # a compressed cache (a full one in 8 bits too)
+    if isinstance(caches[0], FastGenCache):  # a compressed cache (a full one in 8 bits too)
         K = model.args.n_kv_heads
-        gen.plan = plan
+        gen.plan = [c.plan_names() for c in caches]
         gen.kept_tokens = sum(c.kept() for c in caches)
         gen.seen_tokens = model.args.n_layers * K * sum(l + steps for l in lens)
         gen.profile_s = sum(c.profile_s for c in caches)

@@ -182,10 +182,6 @@ class Cache(nn.Module, abc.ABC):
     """What attention and the decode loop ask of a layer's KV cache. `KVCache`
     below keeps every token; `cache.FastGenCache` what each head's policy keeps."""
 
-    profile_s = 0.0  # prefill time spent choosing what to keep
-    recovery = None  # (segments, policies) what each policy recovers, where it chose
-    rereads = False  # it decides what to keep once the prompt was read again (generation.read_again)
-
     @abc.abstractmethod
     def forward(self, q, k, v, input_pos, tokens) -> torch.Tensor:
         """Hold k, v (B, K, T, D) of `tokens` (B, T) at positions input_pos (B, T)
@@ -201,17 +197,6 @@ class Cache(nn.Module, abc.ABC):
     def nbytes(self) -> int:
         """Bytes the cache really holds."""
 
-    def kept(self) -> int:
-        """(sequence, KV head, token) triples held; 0 where they are not counted."""
-        return 0
-
-    def plan_names(self) -> list[str]:
-        """Each (sequence, KV head)'s policy; empty for a cache that keeps all."""
-        return []
-
-    def growths(self) -> int:
-        """Times the cache grew while decoding (each a new shape for compiled code)."""
-        return 0
 
 
 def reserve(caches: list[Cache], tokens=1) -> None:
@@ -242,7 +227,7 @@ class KVCache(Cache):
     def forward(self, q, k, v, input_pos, tokens) -> torch.Tensor:
         B, K, T, D = k.shape
         # Written by indexing, not scatter_: compiled code updates the buffer in
-        # place only then (a scatter_ copied the whole cache every step, 2026-11-30).
+        # place only then (a scatter_ copied the whole cache every step).
         rows = torch.arange(B, device=k.device)[:, None]
         self.k[rows, :, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, K, D) slots
         self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)

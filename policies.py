@@ -6,9 +6,9 @@ cache only when no member wants it:
 
     Special() | Punct() | Frequent(0.3) | Local(0.3)
 
-Each class's `keep` states its rule plainly; hot code asks `Slots.keeps`, which runs `keep_all`
-(many at once: one sort, all ratios). One rule compresses the prompt at prefill and evicts while
-decoding, so the two cannot drift.
+Each class's `keep` states its rule; the cache asks `Slots.keeps`, which remembers each member's
+answer and each ranking (`Slots.top`), so that a menu of many policies sorts each ranking once.
+One rule compresses the prompt at prefill and evicts while decoding, so the two cannot drift.
 """
 from __future__ import annotations
 
@@ -47,50 +47,21 @@ class Slots:
         return self.once("valid", lambda: self.pos >= 0)
 
     def keeps(self, policy: Policy) -> torch.Tensor:
-        """Bool (N, C): `policy.keep(self)` by its members' `keep_all`, once. Hot code asks this."""
+        """Bool (N, C): `policy.keep(self)`, each member asked once."""
         kept = self.memo.get(policy)
         if kept is None:
             for m in policy.members():
                 if m not in self.memo:
-                    self.memo[m] = type(m).keep_all([m], self)[0]
+                    self.memo[m] = m.keep(self)
                 kept = self.memo[m] if kept is None else kept | self.memo[m]
             self.memo[policy] = kept
         return kept
 
-    def keeps_all(self, policies) -> None:
-        """Fill `keeps` for a menu at prefill: all rankings in one sort, then each class at once."""
-        members = [m for m in dict.fromkeys(m for p in policies for m in p.members())
-                   if m not in self.memo]
-        by_class = {}
-        for m in members:
-            by_class.setdefault(type(m), []).append(m)
-        wanted = {}
-        for cls, ms in by_class.items():
-            wanted.update(cls.rankings(ms, self))
-        self.rank_all(wanted)
-        for cls, ms in by_class.items():
-            self.memo.update(zip(ms, cls.keep_all(ms, self)))
-
-    def rank_all(self, wanted: dict) -> None:
-        """`rank` each {key: (values, valid)} in one sort: sorting a few rows is mostly overhead."""
-        wanted = {key: w for key, w in wanted.items() if key not in self.memo}
-        if wanted:
-            values = torch.stack([values().float() for values, _ in wanted.values()])
-            valid = torch.stack([valid for _, valid in wanted.values()])
-            self.memo.update(zip(wanted, ranks(values, valid)))
-
-    def rank(self, key, values, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """`ranks` of `values()` among valid slots (or `valid`), once per `key`, naming both."""
-        valid = self.valid if valid is None else valid
-        return self.once(key, lambda: ranks(values(), valid))
-
     def top(self, key, values, k: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Bool (N, C): the k (N, 1) valid slots with the largest `values()`, ties leftmost. R
-        counts, k (R, N, 1), or a ranked `key` use `rank`; one count `select`s (1/3-1/2 a sort)."""
+        """Bool (N, C): the k (N, 1) valid slots (or of `valid`) with the largest `values()`, ties
+        leftmost; the ranking sorted once per `key`, which names both."""
         valid = self.valid if valid is None else valid
-        if key in self.memo or (k.dim() > valid.dim() and len(k) > 1):
-            return valid & (self.rank(key, values, valid) < k)
-        return select(values(), valid, k.view(-1, 1)).view(*k.shape[:-1], valid.shape[-1])
+        return valid & (self.once(key, lambda: ranks(values(), valid)) < k)
 
     @property
     def mean_score(self) -> torch.Tensor:
@@ -124,33 +95,8 @@ def ranks(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
 
 
-def select(values: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """`ranks(values, valid) < k` without a sort: a top-k finds the k-th largest value (or the
-    d-th smallest of d dropped, if fewer); those beyond it are in, ties taken from the left."""
-    held = valid.sum(-1, keepdim=True)
-    k = torch.minimum(k, held)
-    drop = held - k
-    most_kept, most_dropped = torch.stack([k.max(), drop.max()]).tolist()
-    if most_dropped == 0:
-        return valid.clone()
-    if most_kept <= most_dropped:
-        if most_kept == 0:
-            return torch.zeros_like(valid)
-        v = values.masked_fill(~valid, -math.inf)
-        edge = v.topk(most_kept, -1).values.gather(-1, (k - 1).clamp(min=0))
-        tied = valid & (v == edge)
-        room = k - (valid & (v > edge)).sum(-1, keepdim=True)
-        return (k > 0) & valid & ((v > edge) | (tied & (tied.cumsum(-1) <= room)))
-    v = values.masked_fill(~valid, math.inf)
-    edge = v.topk(most_dropped, -1, largest=False).values.gather(-1, (drop - 1).clamp(min=0))
-    tied = valid & (v == edge)
-    room = drop - (valid & (v < edge)).sum(-1, keepdim=True)
-    from_right = tied.flip(-1).cumsum(-1).flip(-1)
-    return valid & ~((drop > 0) & ((v < edge) | (tied & (from_right <= room))))
-
-
 class Policy:
-    """Base class: `keep` is the rule; `keep_all` and `rankings` the fast path for several."""
+    """Base class: `keep` is the rule; the attributes say what a cache must keep for it."""
 
     # What a cache asks of a policy, so that it never asks for its class:
     never_evicts = False  # keeps every new token: decoding never asks `keep`
@@ -166,16 +112,6 @@ class Policy:
 
     def keep(self, s: Slots) -> torch.Tensor:
         raise NotImplementedError
-
-    @classmethod
-    def rankings(cls, policies: list[Policy], s: Slots) -> dict:
-        """{key: (values, valid)} that `keep_all` will rank, so all classes sort together."""
-        return {}
-
-    @classmethod
-    def keep_all(cls, policies: list[Policy], s: Slots):
-        """Each policy's `keep`, in order, all at once: stacked (len(policies), N, C) or a list."""
-        return [p.keep(s) for p in policies]
 
     def growth(self, prompt: Slots) -> torch.Tensor:
         """(N,) share of new tokens it holds, its budget cost, from the prompt if text-dependent."""
@@ -234,13 +170,6 @@ class Local(Policy):
     def keep(self, s):
         return s.valid & (s.pos >= s.seen - self.window(s))
 
-    @classmethod
-    def keep_all(cls, policies, s):
-        if len(policies) == 1:  # a cache evicting asks for one: the rule is as fast
-            return [policies[0].keep(s)]
-        return s.valid & (s.pos >= s.seen - shares([p.r for p in policies], s.prompt_len))
-
-
 class Frequent(Policy):
     """Heavy hitters: the ceil(r * seen) most attended tokens. `by="sum"` sums over queries (the
     paper, H2O), so a new token, at 0 against prompt tokens hundreds of queries scored, rarely gets
@@ -255,32 +184,14 @@ class Frequent(Policy):
         self.r, self.by = r, by
 
     def keep(self, s):
-        return s.valid & (ranks(self.values(self.by, s), s.valid) < share(self.r, s.seen))
+        key = "score" if self.by == "sum" else "mean score"
+        return s.top(key, lambda: self.values(self.by, s), share(self.r, s.seen))
 
     @staticmethod
     def values(by, s):
         if by == "sum":
             return s.score
         return s.mean_score.masked_fill(s.pos == s.seen - 1, float("inf"))
-
-    @classmethod
-    def keep_all(cls, policies, s):
-        kept = torch.empty(len(policies), *s.pos.shape, dtype=torch.bool, device=s.pos.device)
-        for by in ("sum", "mean"):
-            which = [i for i, p in enumerate(policies) if p.by == by]
-            if which:
-                counts = shares([policies[i].r for i in which], s.seen)
-                kept[which] = s.top(*cls.ranking(by, s), counts)
-        return kept
-
-    @classmethod
-    def rankings(cls, policies, s):
-        return {key: (values, s.valid) for key, values in
-                (cls.ranking(by, s) for by in dict.fromkeys(p.by for p in policies))}
-
-    @classmethod
-    def ranking(cls, by, s):
-        return ("score" if by == "sum" else "mean score"), lambda: cls.values(by, s)
 
     def growth(self, prompt):
         return prompt.pos.new_full((prompt.pos.shape[0],), self.r, dtype=torch.float32)
@@ -321,16 +232,7 @@ class TOVA(Policy):
         self.r = r
 
     def keep(self, s):
-        return s.valid & (ranks(s.last, s.valid) < share(self.r, s.prompt_len))
-
-    @classmethod
-    def rankings(cls, policies, s):
-        return {"last": (lambda: s.last, s.valid)}
-
-    @classmethod
-    def keep_all(cls, policies, s):
-        return s.top("last", lambda: s.last, shares([p.r for p in policies], s.prompt_len))
-
+        return s.top("last", lambda: s.last, share(self.r, s.prompt_len))
 
 class SnapKV(Policy):
     """SnapKV (Li et al., 2024): the last `window` prompt tokens, the ceil(r * prompt_len) -
@@ -350,7 +252,9 @@ class SnapKV(Policy):
     def keep(self, s):
         older = s.valid & (s.pos < s.prompt_len - self.window)
         budget = (share(self.r, s.prompt_len) - self.window).clamp(min=0)
-        return (s.valid & ~older) | (older & (ranks(self.pooled(self.kernel, s), older) < budget))
+        pooled = s.top(("snapkv", self.window, self.kernel),
+                       lambda: self.pooled(self.kernel, s), budget, older)
+        return (s.valid & ~older) | pooled
 
     @staticmethod
     def pooled(kernel, s):
@@ -360,27 +264,6 @@ class SnapKV(Policy):
         by_pos = s.score.new_zeros(len(at), width).scatter_(1, at, s.score.masked_fill(~s.valid, 0))
         by_pos = torch.nn.functional.max_pool1d(by_pos[:, None, :-1], kernel, 1, kernel // 2)[:, 0]
         return torch.nn.functional.pad(by_pos, (0, 1)).gather(1, at)
-
-    @classmethod
-    def rankings(cls, policies, s):
-        return {("snapkv", w, k): cls.ranking(w, k, s)
-                for w, k in dict.fromkeys((p.window, p.kernel) for p in policies)}
-
-    @classmethod
-    def ranking(cls, window, kernel, s):
-        return lambda: cls.pooled(kernel, s), s.valid & (s.pos < s.prompt_len - window)
-
-    @classmethod
-    def keep_all(cls, policies, s):
-        kept = torch.empty(len(policies), *s.pos.shape, dtype=torch.bool, device=s.pos.device)
-        for window, kernel in dict.fromkeys((p.window, p.kernel) for p in policies):
-            which = [i for i, p in enumerate(policies) if (p.window, p.kernel) == (window, kernel)]
-            pooled, older = cls.ranking(window, kernel, s)
-            budget = (shares([policies[i].r for i in which], s.prompt_len) - window).clamp(min=0)
-            # Decoding holds exactly `budget` older tokens, so all stay: compressed once.
-            kept[which] = (s.valid & ~older) | s.top(("snapkv", window, kernel), pooled, budget,
-                                                     older)
-        return kept
 
     def growth(self, prompt):
         return prompt.pos.new_ones(prompt.pos.shape[0], dtype=torch.float32)
@@ -449,7 +332,7 @@ RATIOS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)
 def menu(r_local: float = 0.3, r_frequent: float = 0.3, by: str = "mean",
          ratios=RATIOS) -> list[Policy]:
     """What a head may take under a byte budget: the shortlist and every fixed baseline at several
-    sizes. Not Full, which buys a head's last bit of recovery with all of it (studies/README.md)."""
+    sizes. Not Full, which buys a head's last bit of recovery with all of it."""
     shapes = [[baseline(kind, r, by) for r in ratios] for kind in FIXED]
     return list(dict.fromkeys(shortlist(r_local, r_frequent, by)[:-1] + sum(shapes, [])))
 

@@ -4,8 +4,8 @@ cache.py is the method, this the storage beneath it. A *segment*
 is one (sequence, KV head) pair. A layer's pool is N pages of P slots: V as (N, P, D), and per
 slot a position (-1: empty), a heavy-hitter score, token flags and the latest query's attention.
 Segments that share a policy and hold about as many tokens form a `Group`, an (n, C) block of
-pages that the policy reads as the padded rows it ranks: a head that keeps 5% of the prompt
-allocates about 5% of a full head's bytes.
+pages that the policy reads as the padded rows it ranks: a head that keeps a twentieth of the
+prompt allocates about a twentieth of a full head's bytes.
 
 Each group stores K and V at its policy's precision (quant.py); the groups of one precision form
 a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
@@ -468,8 +468,7 @@ class Pool(nn.Module):
         held = [getattr(self, name) for name in names]
         if pos.shape[1] == 1:
             # One token: it takes the oldest entry's place if newer (a padded one, -1, is not),
-            # as the merge below would; that merge (cat, top-k, gather) cost 0.4 ms a layer at
-            # 2k x 8 compiled, each decode step.
+            # as the merge below would, without the merge's cat, top-k and gather each step.
             col = held[-2].argmin(1, keepdim=True)  # (n, 1)
             newer = pos.to(held[-2].dtype) > held[-2].gather(1, col)
             for t, x in zip(held, new):
@@ -608,7 +607,7 @@ class Pool(nn.Module):
         q, y, last, empty, first = self.turned(q, 1), 0, [], self.pos < 0, 0
         for bits in self.precisions:
             # A window's residues corrected in the scores and outputs: added to K and V, they
-            # made the step copy both, 2 ms a layer at 2k x 8 (studies/README.md, bench).
+            # would make the step copy both.
             k, v = self.read(bits, with_window=False)
             at = slice(first, first + len(v))  # sizes from the tensors: growth needs no new graph
             y_part, last_part = paged_attention(q, k, v, empty[at], self.owner[at],

@@ -31,14 +31,12 @@ BAND_ROWS = 128
 MIN_ROWS = 64
 # A token's score when the context is read again: the p-norm of the attention its rows gave it,
 # p = READ_NORM, a smooth max (KVzip scores by the max) that flash attention computes as a
-# log-sum-exp. The sum (p = 1) keeps 0.35 of the needles at a quarter of the bytes, this 0.75
-# (studies/README.md, ask_after).
+# log-sum-exp (`read_again_sums`).
 READ_NORM = 16
 # A KV head copies when, over random tokens said twice, its query heads give on the mean at least
 # this much attention to the token after each one's earlier occurrence (an induction head,
 # Olsson et al. 2022). It reads whatever a text repeats, which no profile of the prompt's last
-# rows foresees. SmolLM2-135M has 5 such heads of 90, scoring 0.35 to 0.90 over 96 tokens, the
-# next at most 0.24 on three draws (studies/README.md, copy_heads).
+# rows foresees.
 COPY_SHARE = 0.3
 
 
@@ -152,7 +150,7 @@ def with_coordinate(x, last) -> torch.Tensor:
                                                              dtype=torch.float32)], -1)
 
 
-def reread_sums(q, k, v, held_k, held_v, held, counts) -> tuple[torch.Tensor, torch.Tensor]:
+def read_again_sums(q, k, v, held_k, held_v, held, counts) -> tuple[torch.Tensor, torch.Tensor]:
     """The context read again (KVzip's reconstruction), each row seeing it and the rows before.
     Returns the output (B, H, R, D) and each context token's score (B * K, T): the READ_NORM-norm
     over the rows of the attention they gave it, the most of its G query heads (`read_score`).
@@ -191,7 +189,7 @@ def read_score(log_norms) -> torch.Tensor:
     return log_norms.exp().amax(2).flatten(0, 1)
 
 
-def reread_profile(score, pos, seen, prompt_len, ratios) -> Profile:
+def read_again_profile(score, pos, seen, prompt_len, ratios) -> Profile:
     """A context read again as a one-row Profile of its scores (S, C), not shares: a policy
     recovers the score it keeps, which the knapsack compares across heads, as KVzip ranks every
     head's tokens together. Tokens at pos (S, C); a question follows the seen (S, 1): Local's band
@@ -387,7 +385,7 @@ def fit_budget(values: torch.Tensor, costs: torch.Tensor, budget: int,
 
 def squared_losses(recoveries: torch.Tensor) -> torch.Tensor:
     """Knapsack value per head, -(1 - r)^2: output error grows with each head's loss squared (KL
-    is quadratic in small logit changes), so small losses spread cost less (studies/README.md)."""
+    is quadratic in small logit changes), so small losses spread cost less."""
     return -(1 - recoveries).clamp(min=0).square()
 
 

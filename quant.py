@@ -9,9 +9,8 @@ and minimum (asymmetric min-max rounding), several codes packed per byte:
 
 so every number is off by at most half its group's scale. Per token, so that
 a token is quantized once, as it enters the cache, and leaves alone: KIVI's
-keys per channel measured a quarter less output error at 4 bits, but tie 32
-tokens to one scale, which a head that evicts one token at a time cannot
-keep, and need a full-precision residue while a group fills (studies/README.md).
+keys per channel lose less at 4 bits, but tie a group of tokens to one scale,
+which a head that evicts one token at a time cannot keep.
 
 Keys first have each channel divided by a factor of its head's, the square
 root of the channel's largest magnitude over the prompt (`channel_factors`):
@@ -23,8 +22,6 @@ is left of an outlier spreads over every number of the vector, and the rounding
 error over all. The rotation is orthonormal and its own inverse, so a pool
 never turns its stored keys and values back: it rotates each query (times the
 factors) and each output instead, one (D, D) product a query (pool.py).
-Rotated, the output error at 4 bits fell 12-15% on all three texts
-(studies/README.md, quant_grouping).
 
 A head that rounds to 4 or 2 bits also keeps its newest WINDOW tokens to
 about 8 bits (WINDOW_BITS; pool.py's window), as KIVI and HF transformers'
@@ -32,12 +29,9 @@ quantized cache keep theirs in 16: the newest tokens draw the most attention,
 and a token written leaves the window when WINDOW newer ones came. The window
 holds what a token's codes miss (`quantize_residual`): at most half a step of
 its group, rounded in 8 - bits bits (4, or 8 after 2-bit codes) on that step,
-with no scale of its own. At 4 bits a token's key and value so take 64 bytes
-in a head's window (D = 64) where 8-bit codes took 144, read back about as
-faithfully (to a 14th of the codes' step, against 8-bit codes' 17th). Its
-bytes are counted and priced (`window_bytes`). Under a budget it takes about
-the same share of a head's bytes at every budget: 256 times the budget, from
-32 to 128 (cache.budget_window).
+with no scale of its own: fewer bytes than 8-bit codes, read back about as
+faithfully. Its bytes are counted and priced (`window_bytes`); under a budget
+its width follows the budget (cache.budget_window).
 
 16 bits is no quantization: the numbers stored as float16 (or in the model's
 own dtype, if that has 16 bits), cast back on read.
@@ -49,19 +43,13 @@ import math
 
 import torch
 
-# Numbers per scale: per token, a group of 32 measured as faithful as 16 at 4
-# bits on this model's keys and better than 64, for an eighth of the codes'
-# bytes at 4 bits (studies/README.md).
+# Numbers per scale (per token), and the precisions a head may take. The
+# constants of this file were chosen by measurement (studies/README.md, quant_grouping).
 GROUP = 32
 BITS = (16, 8, 4, 2)
-# Newest tokens a rounding head also keeps in 16 bits (pool.window), chosen by
-# KL per byte of the uniform 4-bit cache (studies/README.md, quant_grouping);
-# a method may take another (cache.Method.window).
+# Newest tokens a rounding head also keeps to about WINDOW_BITS bits (pool.window), codes and
+# what they miss together; a method may take another width (cache.Method.window).
 WINDOW = 32
-# The window's precision, codes and what they miss together: 8 bits took 0.017
-# of a 16-bit cache's bytes off the uniform 4-bit cache for 2-4% more KL on three
-# texts, where 16 tokens in 16 bits instead of 32 (0.020 fewer) cost 22%; held as
-# what 4-bit codes miss, 0.012 more for 2% (studies/README.md, quant_grouping).
 WINDOW_BITS = 8
 
 
@@ -129,8 +117,6 @@ def dequantize(codes, scale, low, bits: int, dtype=torch.float32) -> torch.Tenso
     *lead, D = c.shape
     groups = scale.shape[-1]
     g = c.view(*lead, groups, D // groups).to(dtype)
-    # In place: eager, a third faster than a new tensor for each (studies/README.md, bench,
-    # "Eager dequantization").
     return g.mul_(scale[..., None].to(dtype)).add_(low[..., None].to(dtype)).view(*lead, D)
 
 
@@ -179,9 +165,8 @@ def read_back(x: torch.Tensor, bits: int, window: bool = False) -> torch.Tensor:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(..., D) codes below 2**bits as (..., D * bits // 8) bytes, in planes: byte j holds
     codes j, j + D / per, j + 2 D / per, ... (per = 8 // bits), the first lowest. Read
-    back, each plane is a contiguous run of codes, one shift and mask of every byte:
-    compiled, 4-bit keys and values dequantize 6 times as fast as from neighbouring
-    codes sharing a byte, as fast as 8 bits (studies/README.md, bench)."""
+    back, each plane is a contiguous run of codes, one shift and mask of every byte, which
+    compiled code reads about as fast as 8-bit codes."""
     per = 8 // bits
     if per == 1:
         return codes
@@ -194,10 +179,8 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     mask = (1 << bits) - 1
     if bits == 4 and torch.compiler.is_compiling():
-        # The bytes repeated, each copy shifted by its plane's: one loop fused with the
-        # dequantization, 1.7 times as fast as stacked planes, and 14% faster decode at 2k x 8.
-        # Not at 2 bits, whose planes split a group (that loop ran 30 times slower), nor
-        # eager, where a shift by a tensor of shifts takes 2.5 times one by a number.
+        # Compiled, the bytes repeated, each copy shifted by its plane's: one loop fused with
+        # the dequantization. Not at 2 bits, whose planes split a group.
         shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
         return packed.repeat(*[1] * (packed.dim() - 1), 2) >> shifts.repeat_interleave(
             packed.shape[-1]) & mask

@@ -177,12 +177,12 @@ def read_again_once(model, recorders, tokens, lens):
     what it gives the prompt depends on the prompt alone, so a record's
     first configuration reads it again and the others reuse it."""
     caches, memo = model.caches(), recorders[0].sums
-    if "reread" not in memo:
+    if "ask_after" not in memo:
         read_again(model, tokens, lens, decide=False)
-        memo["reread"] = [c.reread for c in caches]
-    for c, got in zip(caches, memo["reread"]):
-        c.reread = got
-    fastgen_cache.reading_again(caches)
+        memo["ask_after"] = [c.read_scores for c in caches]
+    for c, got in zip(caches, memo["ask_after"]):
+        c.read_scores = got
+    fastgen_cache.read_piece(caches)
 
 
 @torch.no_grad()
@@ -197,7 +197,7 @@ def replay(model, rec, config: Config, n: int, follow=None, flags=None):
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
     model.setup_caches(caches)
-    if caches[0].rereads:
+    if fastgen_cache.asks_after(caches):
         read_again_once(model, recorders, tokens, lens)
     out, pos = [last], lens[:, None]
     for i in range(n - 1):

@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cache import asks_after
 from model import reserve
 from generation import CacheOptions, dense_kv_bytes, make_caches
 from studies import evaluate
@@ -332,7 +333,7 @@ def replay_agnostic(model, rec, config: Config, questions: list[list[int]], n: i
         for c, r in zip(caches, recorders):
             c(*r.qkv, input_pos, tokens)
     model.setup_caches(caches)
-    if caches[0].rereads:
+    if asks_after(caches):
         evaluate.read_again_once(model, recorders, tokens, lens)
     fed = torch.zeros(B, steps, dtype=torch.long)
     teacher = torch.zeros(B, steps, dtype=torch.bool)

@@ -231,13 +231,13 @@ def item_cost(kept, grows, new, unit, window):
     return (kept + int(np.ceil(f32(grows) * f32(new)))) * unit + window
 
 
-def value_of(r, reread=False):
+def value_of(r, ask_after=False):
     """A head's knapsack value: -(1 - r)^2 of the share r it recovers (r itself
     after reading again), r taken to six decimals; -inf where not offered."""
     if r == -math.inf:
         return -math.inf
     r = round(float(r), 6)
-    return r if reread else -max(1 - r, 0.0) ** 2
+    return r if ask_after else -max(1 - r, 0.0) ** 2
 
 
 def knapsack(values, costs, budget):
@@ -333,7 +333,7 @@ class Reference:
     recovery, `budget` its kv_budget; `span` carries a prompt token's score
     to the span - 1 tokens after it, and `weigh` counts a prompt token's
     attention times its value's norm (scaled so that a row still sums to one);
-    `reread` values a head by the share it keeps, not its squared loss;
+    `ask_after` values a head by the share it keeps, not its squared loss;
     `copies`, where the method marks the heads that copy, says for each
     segment whether it copies: it is offered only the policies keeping every
     token at COPY_BITS or more, and the others not those at 16 bits or more.
@@ -342,7 +342,7 @@ class Reference:
 
     def __init__(self, policies, threshold, prompt_lens, n_kv_heads, token_flags, rows=None,
                  budget=None, evict_every=1, bits=None, units=None, span=1, weigh=False,
-                 max_new_tokens=1, reread=False, copies=None):
+                 max_new_tokens=1, ask_after=False, copies=None):
         self.policies = list(policies)
         M = len(self.policies)
         # Each policy's precision (None: unrounded), and what a token costs under
@@ -352,7 +352,7 @@ class Reference:
         self.units = units or ([1] * M, [0] * M, 1)
         self.evict_every = evict_every
         self.threshold, self.rows, self.budget = threshold, rows, budget
-        self.span, self.weigh, self.reread = span, weigh, reread
+        self.span, self.weigh, self.ask_after = span, weigh, ask_after
         self.max_new_tokens, self.copies = max_new_tokens, copies
         self.lens = [int(n) for n in prompt_lens]
         self.K = n_kv_heads
@@ -425,7 +425,7 @@ class Reference:
                 # A share of what its full cache would hold, prompt and new tokens, in float32.
                 budget = int(f32(self.budget) * f32((L + new) * K * full))
                 got = [state.choice[s] for s in segs]
-                check_budget_choice(got, [[value_of(r, self.reread) for r in worth[s].tolist()]
+                check_budget_choice(got, [[value_of(r, self.ask_after) for r in worth[s].tolist()]
                                           for s in segs], costs, budget, f"sequence {b}")
                 spent = sum(c[i] for c, i in zip(costs, got))
                 self.share.append(f32(f32(self.budget) * f32(spent)) / f32(max(budget, 1)))
@@ -623,7 +623,7 @@ class Reference:
                           for i, p in enumerate(self.policies)] for s in segs]
                 budget = int(f32(self.share[b] * f32((seen + new) * K * full)))
                 got = [cache_choice[s] for s in segs]
-                check_budget_choice(got, [[value_of(r, self.reread) for r in worth[s].tolist()]
+                check_budget_choice(got, [[value_of(r, self.ask_after) for r in worth[s].tolist()]
                                           for s in segs], costs, budget,
                                     f"sequence {b}, chunk {self.rechosen + 1}")
             self.choice = list(cache_choice)  # checked: the optimum, or a tie of it
@@ -713,7 +713,7 @@ class CheckedCache(Cache):
         self.ref = Reference(cache.policies, m.recovery, cache.prompt_lens.tolist(),
                              cache.n_kv_heads, cache.token_flags, m.rows, m.kv_budget,
                              cache.evict_every, cache.bits, span=m.span, weigh=m.weigh_values,
-                             max_new_tokens=cache.max_new_tokens, reread=m.reread,
+                             max_new_tokens=cache.max_new_tokens, ask_after=m.ask_after,
                              copies=cache.copies.tolist() if m.copies else None)
         self.atol = atol
         self.steps = 0

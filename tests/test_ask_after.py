@@ -9,7 +9,7 @@ import cache
 import generation
 from generation import CacheOptions, generate, read_again
 from model import ModelArgs, Transformer, reserve
-from profiling import READ_NORM, reread_profile, reread_sums
+from profiling import READ_NORM, read_again_profile, read_again_sums
 from reference import one_thread, rotation_of_fixed_bits  # noqa: F401  (autouse fixtures)
 from studies.evaluate import Recorder
 
@@ -21,7 +21,7 @@ def norm_of_rows(p, G):
     return norms.view(-1, G, p.shape[-1]).amax(1)
 
 
-def brute_reread(q, k, v, held_k, held_v, lens, counts):
+def brute_read_again(q, k, v, held_k, held_v, lens, counts):
     """Each row read again, one at a time: softmax over the context's keys and
     the rows up to its own; the output and each context token's score, the
     READ_NORM-norm over the rows of its attention, the most of the G query
@@ -46,7 +46,7 @@ def brute_reread(q, k, v, held_k, held_v, lens, counts):
 
 
 @pytest.mark.parametrize("flash", [True, False])
-def test_reread_sums_are_the_attention_of_the_context_read_again(flash, monkeypatch):
+def test_read_again_sums_are_the_attention_of_the_context_read_again(flash, monkeypatch):
     """With torch's CPU flash kernel and with the plain softmax that stands in for it elsewhere."""
     if not flash:
         monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None,
@@ -57,18 +57,18 @@ def test_reread_sums_are_the_attention_of_the_context_read_again(flash, monkeypa
     held_k, held_v = (torch.randn(B, K, T, D, generator=g) * 2 for _ in range(2))
     lens, counts = torch.tensor([11, 6]), torch.tensor([9, 4])
     held_k[1, :, 6:] = 100  # padding: junk that must not count
-    want_y, want = brute_reread(q, k, v, held_k, held_v, lens, counts)
+    want_y, want = brute_read_again(q, k, v, held_k, held_v, lens, counts)
     held = torch.arange(T) < lens[:, None]
-    y, colsum = reread_sums(q, k, v, held_k, held_v, held, counts)
+    y, colsum = read_again_sums(q, k, v, held_k, held_v, held, counts)
     torch.testing.assert_close(colsum, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y[0], want_y[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y[1, :, :4], want_y[1, :, :4], atol=1e-5, rtol=1e-5)
 
 
-def test_reread_profile_is_the_scores_and_local_their_end():
+def test_read_again_profile_is_the_scores_and_local_their_end():
     score = torch.tensor([[4.0, 1, 1, 2, 2, 0], [1, 1, 2, 0, 0, 0]])
     lens = torch.tensor([[6], [3]])
-    prof = reread_profile(score, torch.arange(6).expand(2, 6), lens, lens, [0.5])
+    prof = read_again_profile(score, torch.arange(6).expand(2, 6), lens, lens, [0.5])
     torch.testing.assert_close(prof.colsum, score)  # not shares: heads compare by score
     # Local(0.5) keeps the last ceil(0.5 * len) tokens: 3 of 6, 2 of 3.
     torch.testing.assert_close(prof.bands[0.5], torch.tensor(
@@ -116,12 +116,12 @@ def test_read_again_is_the_prompt_followed_by_its_pieces(monkeypatch, piece):
     ids = torch.randint(1, model.args.vocab_size, (1, 12))
     T = ids.shape[1]
     got = []
-    monkeypatch.setattr(cache, "reread_profile",
-                        lambda colsum, *a: got.append(colsum) or reread_profile(colsum, *a))
+    monkeypatch.setattr(cache, "read_again_profile",
+                        lambda colsum, *a: got.append(colsum) or read_again_profile(colsum, *a))
     generate(model, ids.tolist(), 1, cache=CacheOptions("fastgen", ask_after=True),
              token_flags=None) if piece == 16 else None
     if piece != 16:  # the driver alone, in pieces
-        caches = cache.fastgen_caches(model, cache.default_method(0.5, reread=True), [T], 2)
+        caches = cache.fastgen_caches(model, cache.default_method(0.5, ask_after=True), [T], 2)
         model.setup_caches(caches)
         model(ids, torch.arange(T)[None])
         read_again(model, ids, torch.tensor([T]), piece=piece)
@@ -203,7 +203,7 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
 
     def spy(self):  # what the second chunk, read again, gave each slot, laid out by position
         held = []
-        for g, col in zip(self.pool.groups, self.reread):
+        for g, col in zip(self.pool.groups, self.read_scores):
             pos = g.block(self.pool.pos).long()
             got.append(torch.zeros(len(col), 20).scatter_add_(1, pos.clamp(min=0), col * (pos >= 0)))
             held.append((g.block(self.pool.score).clone(), col))
@@ -240,11 +240,11 @@ def test_after_reading_again_decoding_evicts_as_the_default_does():
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     prompt = torch.randint(1, 200, (1, 64))
     kept = {}
-    for reread in (False, True):
-        caches = cache.fastgen_caches(model, cache.default_method(0.25, reread=reread), [64], 40)
+    for ask_after in (False, True):
+        caches = cache.fastgen_caches(model, cache.default_method(0.25, ask_after=ask_after), [64], 40)
         model.setup_caches(caches)
         model(prompt, torch.arange(64)[None])
-        if reread:
+        if ask_after:
             read_again(model, prompt, torch.tensor([64]))
         growth = cache.growths(caches[0].policies, caches[0].slots(caches[0].pool.groups[0]))
         assert bool((growth < 1).any())
@@ -252,8 +252,8 @@ def test_after_reading_again_decoding_evicts_as_the_default_does():
         for i in range(32):
             reserve(model.caches())
             model(torch.randint(1, 200, (1, 1)), torch.tensor([[64 + i]]))
-        kept[reread] = [c.kept() - b for c, b in zip(caches, before)]
+        kept[ask_after] = [c.kept() - b for c, b in zip(caches, before)]
         model.setup_caches(None)
     S = model.args.n_kv_heads
-    for reread in (False, True):
-        assert any(k < 32 * S for k in kept[reread])
+    for ask_after in (False, True):
+        assert any(k < 32 * S for k in kept[ask_after])

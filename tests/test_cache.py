@@ -398,7 +398,7 @@ def test_cache_options_run_the_core_s_methods():
     # The window of newest tokens: 256 x the budget, from 32 to 128.
     assert [cache.default_method(b, (16, 8, 4)).window for b in (0.05, 0.125, 0.25, 0.5, 0.75)] \
         == [32, 32, 64, 128, 128]
-    assert cache.default_method(0.125, (16, 8, 4), reread=True).window is None  # quant.WINDOW
+    assert cache.default_method(0.125, (16, 8, 4), ask_after=True).window is None  # quant.WINDOW
     assert method(CacheOptions("fastgen", kv_budget=0.3, kv_bits=(16, 4))) == \
         cache.default_method(0.3, (16, 4))
     paper = caches(CacheOptions("fastgen", paper=True))

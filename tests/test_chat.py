@@ -63,7 +63,7 @@ def test_turns_read_again_hold_nothing_of_it(tiny_ckpt, monkeypatch):
     """--ask-after reads each chunk of a turn again; with Full on every head, the chat must
     still give what the full cache gives: nothing read again is held."""
     monkeypatch.setattr(generation, "fixed_method",
-                        lambda *a, reread: Method((Full(),), reread=reread))
+                        lambda *a, ask_after: Method((Full(),), ask_after=ask_after))
     monkeypatch.setattr("chat.CHUNK", 16)  # a turn in several chunks, each read again
     full, fast = chat(tiny_ckpt, "full"), chat(tiny_ckpt, "local", ask_after=True)
     for text in ["Hello, world", "The quick brown fox " * 12, "def f(x): return x + 1"]:

@@ -71,7 +71,7 @@ def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
     # at 8 bits, a quarter in the model's dtype), nor in one precision, nor read again.
     assert not any(cache.default_method(b, bits).copies
                    for b, bits in ((0.125, (16, 8, 4)), (0.25, None), (0.5, (4,))))
-    assert not cache.default_method(0.25, (16, 8, 4), reread=True).copies
+    assert not cache.default_method(0.25, (16, 8, 4), ask_after=True).copies
     cache._copies[model] = torch.zeros_like(marked)
     before = plans(model, method, lens, flags)
     assert not all(p.keeps_all and b >= 8 for p, b in before[0][1::K])  # the premise

@@ -1,6 +1,5 @@
-"""Each policy's rule, `keep`, against the fast path that the cache asks: a
-class's policies at once (`keep_all`) and `Slots.keeps`, with a menu's
-rankings sorted together (prefill) or one policy at a time (eviction)."""
+"""Each policy's rule, `keep`, against what the cache asks: `Slots.keeps`, with a menu's
+rankings shared (prefill) or one policy at a time (eviction)."""
 import pytest
 import torch
 
@@ -45,23 +44,15 @@ def policies(by: str):
 @pytest.mark.parametrize("layout", ["cache", "prompt"])
 @pytest.mark.parametrize("by", ["sum", "mean"])
 @pytest.mark.parametrize("seed", range(5))
-def test_fast_path_keeps_what_the_rule_keeps(seed, by, layout):
+def test_keeps_is_the_rule_alone_and_in_a_menu(seed, by, layout):
     fresh = random_slots(seed, layout)
     ps = policies(by)
     rule = {p: p.keep(fresh()) for p in ps}
     for p in ps:  # a union keeps what any member keeps
         members = torch.stack([m.keep(fresh()) for m in p.members()])
         assert torch.equal(rule[p], members.any(0)), p
-    # keep_all: every member of the list, each class's together.
-    by_class = {}
-    for m in dict.fromkeys(m for p in ps for m in p.members()):
-        by_class.setdefault(type(m), []).append(m)
-    for cls, ms in by_class.items():
-        for m, kept in zip(ms, cls.keep_all(ms, fresh())):
-            assert torch.equal(kept, m.keep(fresh())), m
-    # Slots.keeps after a menu's rankings sorted together, as at prefill.
+    # Slots.keeps of a whole menu on one Slots, its rankings shared, as at prefill.
     s = fresh()
-    s.keeps_all(ps)
     for p in ps:
         assert torch.equal(s.keeps(p), rule[p]), p
     # Slots.keeps of one policy on its own slots, as eviction asks.
