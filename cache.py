@@ -167,7 +167,8 @@ def paper_method(recovery: float = 0.95, kv_bits=None) -> Method:
     return Method(policies, bits, recovery=recovery, rows=None, evict_every=1)
 
 
-def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None, ask_after: bool = False) -> Method:
+def fixed_method(kind: str, kv_budget: float = 0.5, kv_bits=None,
+                 ask_after: bool = False) -> Method:
     """One policy (policies.baseline) for all, profiled on the rows its ranking reads."""
     policy = baseline(kind, kv_budget)
     policies, bits = at_bits([policy], kv_bits)
@@ -184,7 +185,8 @@ class Clock:
     chunk: bool = False  # the next step is a chunk (`reserve` had counts, or more than one)
 
 
-def _clock(device) -> float:
+def now(device) -> float:
+    """Seconds, for profile_s, once the device has finished what it was given."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -243,7 +245,7 @@ class FastGenCache(Cache):
         self.clock = Clock()
         self.pending = Pending(1) if pending is None else pending
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
-        self.every = None  # every row's Profile, prefill to `decide`, where it is read
+        self.all_rows = None  # every prompt row's Profile, prefill to `decide`, where it is read
         self.reads_next = False  # the next forward reads again (`read_piece`)
         self.read_scores = None  # what reading again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
@@ -269,13 +271,13 @@ class FastGenCache(Cache):
 
     def prefill(self, q, k, v, tokens):
         """Attend over the prompt; hold what `Pending` needs to decide (of q, the rows profiled)."""
-        t0 = _clock(q.device)
+        t0 = now(q.device)
         self.held = (q[:, :, self.first_row:].contiguous(), k, v, tokens)
         # Every row profiled and no band (h2o's): profile now, while q is whole.
         if self.method.rows is None and not banded(self.policies) and not self.method.ask_after:
-            self.every = attention_sums(q, k, self.prompt_lens)
+            self.all_rows = attention_sums(q, k, self.prompt_lens)
         self.head_dim = k.shape[-1]
-        self.profile_s = _clock(q.device) - t0
+        self.profile_s = now(q.device) - t0
         self.pending.add(self)
         return causal_attention(q, k, v)
 
@@ -285,7 +287,7 @@ class FastGenCache(Cache):
         R prompt tokens from `read_from` that they repeat; add what each held token got to
         `ask_after`, holding none of them. A token read again then costs a bounded amount, not
         all that is held."""
-        t0 = _clock(q.device)
+        t0 = now(q.device)
         sums = read_again_sums
         B, H, R, D = q.shape
         if self.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
@@ -315,8 +317,10 @@ class FastGenCache(Cache):
                                    g.block(values)[:, None], reads, counts[seg])
                 got.append(col)
             y = self.pool.turned(y).view(B, H, R, D)
-        self.read_scores = got if self.read_scores is None else list(map(torch.maximum, self.read_scores, got))
-        self.profile_s += _clock(q.device) - t0
+        if self.read_scores is not None:
+            got = list(map(torch.maximum, self.read_scores, got))
+        self.read_scores = got
+        self.profile_s += now(q.device) - t0
         return y
 
     def choose_from_reading(self):
@@ -330,12 +334,14 @@ class FastGenCache(Cache):
             if "last" in self.pool.fields:  # what TOVA ranks by when it next evicts
                 g.block(self.pool.last).copy_(score)
             s = self.slots(g)
-            profiles.append(read_again_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len, ratios))
+            profiles.append(read_again_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len,
+                                               ratios))
         self.read_scores = None
         if len(self.policies) > 1:
             self.choose_again(profiles)
 
-    def from_sums(self, sums: Profile, tokens, layers: int = 1, kv=None) -> tuple[Slots, torch.Tensor]:
+    def from_sums(self, sums: Profile, tokens, layers: int = 1,
+                  kv=None) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots scored by `sums` of `layers` stacked layers, (layers * S, T), and
         each policy's recovery, (layers * S, M); None for a single policy (nothing to choose).
         kv: the layers' prompt keys and values, (layers * B, K, T, D) each, which the fields
@@ -356,7 +362,8 @@ class FastGenCache(Cache):
         chosen = [self.policies[i] for i in sorted(set(choice))]
         self.pool = pool.build(choice, kept, growth,
                                self.reads_last or any(p.reads_last for p in chosen),
-                               page=self.page, every=self.evict_every, new=self.max_new_tokens - 1,
+                               page=self.page, evict_every=self.evict_every,
+                               new=self.max_new_tokens - 1,
                                device=device, bits=self.bits,
                                ranks=self.ranks, window=self.method.window,
                                measures=self.measures)
@@ -418,7 +425,8 @@ class FastGenCache(Cache):
         self.seg_prompt_len += counts
         if R:
             rows, ratios = at[:, T - R:], local_ratios(self.policies)
-            self.choose_again([held_profile(seen, self.slots(g), rows[g.seg.to(rows.device)], ratios)
+            self.choose_again([held_profile(seen, self.slots(g), rows[g.seg.to(rows.device)],
+                                            ratios)
                                for g, seen in zip(self.pool.groups, self.pool.observed)])
         return y.view(B, H, T, D)
 
@@ -543,9 +551,9 @@ class Pending:
     has come, every `every` layers (whose heads share a budget), or once what they hold would
     pass `max_bytes`. `heads` (tp.Heads) spans the budget over every tensor-parallel rank."""
 
-    def __init__(self, layers: int, max_bytes: int = HELD_BYTES, every: int | None = None,
+    def __init__(self, layers: int, max_bytes: int = HELD_BYTES, scope: int | None = None,
                  heads=None):
-        self.layers, self.max_bytes, self.every, self.heads = layers, max_bytes, every, heads
+        self.layers, self.max_bytes, self.scope, self.heads = layers, max_bytes, scope, heads
         self.waiting: list[FastGenCache] = []
         self.profiled = 0
 
@@ -556,21 +564,21 @@ class Pending:
             return
         held = sum(t.nbytes for c in self.waiting for t in c.held[:3])
         # Decide now if one more layer like these would pass the limit.
-        full = (len(self.waiting) == self.every if self.every
+        full = (len(self.waiting) == self.scope if self.scope
                 else held + held // len(self.waiting) > self.max_bytes)
         if self.profiled >= self.layers or full:
             self.flush()
 
     def flush(self):
-        every = self.every or max(len(self.waiting), 1)
-        for i in range(0, len(self.waiting), every):
-            decide(self.waiting[i:i + every])
+        scope = self.scope or max(len(self.waiting), 1)
+        for i in range(0, len(self.waiting), scope):
+            decide(self.waiting[i:i + scope])
         self.waiting = []
 
 
 def decide(caches: list[FastGenCache]):
     """Profile, choose and compress several layers' prompts as one batch of sequences."""
-    t0 = _clock(caches[0].prompt_lens.device)
+    t0 = now(caches[0].prompt_lens.device)
     first = caches[0]
     if any((c.method, c.max_new_tokens) != (first.method, first.max_new_tokens) for c in caches):
         raise ValueError("decide: the layers' caches must share their method and max_new_tokens")
@@ -596,9 +604,9 @@ def decide(caches: list[FastGenCache]):
     growth = growths(first.policies, prompt)  # (L * S, M)
     choose_policies(caches, prompt, recovery, keeps, growth)
     compress(caches, prompt, keeps, growth)
-    spent = (_clock(caches[0].prompt_lens.device) - t0) / len(caches)
+    spent = (now(caches[0].prompt_lens.device) - t0) / len(caches)
     for c in caches:
-        c.held = c.every = c.read_scores = None
+        c.held = c.all_rows = c.read_scores = None
         c.profile_s += spent
 
 
@@ -620,8 +628,8 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
             lens = lens.repeat_interleave(first.n_kv_heads)[:, None]  # (S, 1)
             pos = torch.arange(k.shape[2], device=lens.device).expand(len(lens), -1)
             sums = read_again_profile(score, pos, lens, lens, banded(first.policies))
-        elif first.every is not None:  # at prefill
-            sums = Profile.cat([c.every for c in group])
+        elif first.all_rows is not None:  # at prefill
+            sums = Profile.cat([c.all_rows for c in group])
         else:
             sums = attention_sums(q, k, lens, banded(first.policies), method.rows)
         parts.append(weigh(sums, v) if method.weigh_values else sums)
@@ -688,7 +696,8 @@ def not_offered(caches: list[FastGenCache]) -> torch.Tensor:
 def copying(policies: list[Policy], bits, fewest: int = COPY_BITS) -> list[bool]:
     """Which policies a head that copies may take: those keeping every token, at `fewest` bits
     or more."""
-    return [p.keeps_all and (bits is None or b >= fewest) for p, b in zip(policies, bits or policies)]
+    return [p.keeps_all and (bits is None or b >= fewest)
+            for p, b in zip(policies, bits or policies)]
 
 
 def worth(method: Method, recovery) -> torch.Tensor:
@@ -716,10 +725,10 @@ def knapsacks(values, costs, budgets):
 def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
     """Keep what each segment's policy keeps of its prompt: lay out pools on the host, fill them."""
     choice = torch.cat([c.choice for c in caches])
-    every = torch.arange(len(choice), device=choice.device)
-    keep = keeps[choice, every]  # (L * S, T)
+    segments = torch.arange(len(choice), device=choice.device)
+    keep = keeps[choice, segments]  # (L * S, T)
     choices, kept = torch.stack([choice, keep.sum(1)]).tolist()  # one host sync
-    grown = growth[every, choice].tolist()
+    grown = growth[segments, choice].tolist()
     S = len(choices) // len(caches)
     for i, c in enumerate(caches):
         rows = slice(i * S, (i + 1) * S)
@@ -822,14 +831,15 @@ def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, toke
         token_flags = torch.zeros(model.args.vocab_size, dtype=torch.uint8)
     flags = token_flags.to(device)
     L = len(model.layers)
-    pending = Pending(L, every=SCOPE if method.kv_budget is not None else None, heads=heads)
+    pending = Pending(L, scope=SCOPE if method.kv_budget is not None else None, heads=heads)
     copies = copy_heads(model, flags) if method.copies else [None] * L
     return [FastGenCache(method, lens, max_new_tokens, model.args.n_kv_heads, flags, page=page,
                          pending=pending, copies=c) for c in copies]
 
 
 class CopyProbe(Cache):
-    """A layer's stand-in cache over `copy_heads`' probe: it notes each KV head's induction score."""
+    """A layer's stand-in cache over `copy_heads`' probe: it notes each KV head's induction
+    score."""
 
     def forward(self, q, k, v, input_pos, tokens):
         self.scores = induction_scores(q, k)

@@ -19,9 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # Letters used in shape comments:
-#   B batch, T tokens in this call, S cache slots, V vocabulary,
+#   B batch, T tokens in this call, C cache slots (of one head), V vocabulary,
 #   H query heads, K key/value heads, G = H // K query heads per KV head,
-#   D head dimension, C model dimension.
+#   D head dimension, E model dimension.
 
 
 @dataclass
@@ -162,11 +162,11 @@ def causal_attention(q, k, v) -> torch.Tensor:
 def attend(q, k, v, visible):
     """Attention of one new query per head over a cache, with its probabilities.
 
-    q: (N, G, D) queries grouped by the KV head they share; k: (N, D, S), the
-    keys transposed, so that the scores are a plain (G, D) x (D, S) product
-    (on CPU it reads the keys faster than against (S, D) rows);
-    v: (N, S, D); visible: (N, 1, S) bool. Returns the output (N, G, D) and
-    the attention probabilities (N, G, S) in float32.
+    q: (N, G, D) queries grouped by the KV head they share; k: (N, D, C), the
+    keys transposed, so that the scores are a plain (G, D) x (D, C) product
+    (on CPU it reads the keys faster than against (C, D) rows);
+    v: (N, C, D); visible: (N, 1, C) bool. Returns the output (N, G, D) and
+    the attention probabilities (N, G, C) in float32.
     """
     scores = (q @ k) / math.sqrt(q.shape[-1])
     probs = scores.float().masked_fill(~visible, -float("inf")).softmax(-1)
@@ -205,8 +205,8 @@ def reserve(caches: list[Cache], tokens=1) -> None:
 
 
 class KVCache(Cache):
-    """The dense cache: every token of every KV head, V as (B, K, S, D) and K
-    transposed, (B, K, D, S) (see `attend`).
+    """The dense cache: every token of every KV head, V as (B, K, C, D) and K
+    transposed, (B, K, D, C) (see `attend`).
 
     The exact reference that the compressed cache is measured against. Its
     `dtype` may be narrower than the model's (float16 under a float32 model:
@@ -242,14 +242,14 @@ class KVCache(Cache):
             # A chunk on top of the cache (a chat's next turn, a long prompt
             # in pieces): each query sees the slots up to its own position,
             # CHUNK_ROWS queries at a time (a masked attention holds its scores).
-            visible = torch.arange(end, device=q.device) <= input_pos[..., None]  # (B, T, S)
+            visible = torch.arange(end, device=q.device) <= input_pos[..., None]  # (B, T, C)
             keys = self.k[..., :end].transpose(2, 3).to(q.dtype)
             values = self.v[:, :, :end].to(q.dtype)
             return torch.cat([F.scaled_dot_product_attention(
                 q[:, :, i:i + CHUNK_ROWS], keys, values, enable_gqa=q.shape[1] != K,
                 attn_mask=visible[:, None, i:i + CHUNK_ROWS]) for i in range(0, T, CHUNK_ROWS)], 2)
         slots = torch.arange(self.v.shape[2], device=q.device)
-        visible = (slots[None, :] <= input_pos)[:, None, None, :]  # (B, 1, 1, S)
+        visible = (slots[None, :] <= input_pos)[:, None, None, :]  # (B, 1, 1, C)
         k, v = self.k.to(q.dtype), self.v.to(q.dtype)  # a no-op unless stored narrower
         y, _ = attend(q.view(B, K, -1, D), k, v, visible)  # (B, K, G, D)
         return y.view(q.shape)

@@ -14,7 +14,7 @@ minima). A rounding part stores keys over their channel factors and both K and V
 A part at 4 or 2 bits also keeps each segment's newest tokens to about 8 bits (its *window*, as
 wide as the method says, quant.WINDOW if it does not): what their codes miss, added as they are
 read. K is kept as pages (N, D, P), and a decode step pieces each segment's softmax together
-from its pages (`paged_attention`). The interface the cache uses, one layer at a time:
+from its pages (`paged_attention`). The interface the cache uses (`Storage` declares a layer's):
 
     build(...)          lay a pool out for what each segment keeps of its prompt
     fill_from_prompt    fill the pools of several layers from their prompts
@@ -27,6 +27,7 @@ from its pages (`paged_attention`). The interface the cache uses, one layer at a
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from quant import (WINDOW, channel_factors, dequantize, dequantize_residual, had
                    quantize_residual, residual_bits, rotate, rounds, storage_dtype, windowed)
 
 # Letters in shape comments: S segments, G query heads per KV head, n segments in a group,
-# N pages, P slots per page, C slots per segment in a group, M = N * P slots, D head dimension.
+# N pages, P slots per page, C slots per segment in a group, D head dimension.
 
 # Slots per page: a segment wastes at most a page minus one slot to rounding, and
 # a page is one small matrix product per step, so pages grow with the prompt.
@@ -117,7 +118,7 @@ def group_pages(sizes: list[int], room: int, page: int) -> list[tuple[slice, int
 
 
 def build(choice: list[int], kept: list[int], growth: list[float], reads_last: bool, *,
-          page: int, every: int, new: int, device,
+          page: int, evict_every: int, new: int, device,
           bits: list | None = None, ranks: bool = True, window: int | None = None,
           measures: dict | None = None) -> Pool:
     """A pool laid out on the host from each segment's policy index, kept tokens and `growth`;
@@ -128,7 +129,7 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     A group gets room for the tokens until the first eviction, plus what the budget charged its
     policy for the `new` tokens (a quarter of its width at most, as in `grow`): a group of heads
     that keep all never grows."""
-    room = min(every, new)
+    room = min(evict_every, new)
     new = max(new - room, 0)
     groups = []
     for i in sorted(set(choice)):
@@ -148,7 +149,7 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     fields = {n: e for n, e in SLOT_FIELDS.items() if n in wanted}
     fields.update({n: 0.0 for n in measures or {}})
     fields.update({n: 0 for b in precisions for n in stored(b)})
-    return Pool(groups, page, every, fields, len(choice), device,
+    return Pool(groups, page, evict_every, fields, len(choice), device,
                 WINDOW if window is None else window, measures or {})
 
 
@@ -198,14 +199,45 @@ def paged_attention(q, k, v, empty, owner, window=None):
 
 
 
-class Pool(nn.Module):
+class Storage(nn.Module, abc.ABC):
+    """What the method asks of the storage beneath it, one layer's (cache.py calls nothing
+    else of it, besides the module's functions over several layers: `fill_from_prompt`, `evict`,
+    `hand_out`). `Pool` is the implementation, on index tensors, which compiles."""
+
+    @abc.abstractmethod
+    def fill(self, k, v, rows, fields: dict, source, valid):
+        """Hold what each segment keeps of its prompt, with its per-token fields."""
+
+    @abc.abstractmethod
+    def write(self, k, v, pos, flags, slot=None, per: int = 1):
+        """Append each segment's new token (or a chunk's `per`) with its fields."""
+
+    @abc.abstractmethod
+    def attend(self, q):
+        """One query per segment over what it holds: the output and each slot's attention."""
+
+    @abc.abstractmethod
+    def attend_chunk(self, q, at, valid, observe: int = 0):
+        """A chunk's queries over what each segment holds, its scores updated."""
+
+    @abc.abstractmethod
+    def add_scores(self, last):
+        """Add a step's attention to each held token's score: the field decoding updates."""
+
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes really held: K, V, every per-token field and index."""
+
+
+class Pool(Storage):
     """One layer's pool of pages: K as (N, D, P), so that scoring a page is a plain (G, D) x
     (D, P) product, V as (N, P, D), and each slot's fields as (N, P)."""
 
-    def __init__(self, groups: list[Group], page: int, every: int, fields: dict, segments: int,
-                 device, window: int, measures: dict):
+    def __init__(self, groups: list[Group], page: int, evict_every: int, fields: dict,
+                 segments: int, device, window: int, measures: dict):
         super().__init__()
-        self.groups, self.page, self.every, self.fields = groups, page, every, fields
+        self.groups, self.page, self.fields = groups, page, fields
+        self.evict_every = evict_every
         self.measures = measures  # a declared field's name -> its function of a token's k and v
         # The fields held per slot, not per part: K and V (or their codes) are a part's own.
         self.slot_names = [n for n in fields if n in measures or n in SLOT_FIELDS and n not in "kv"]
@@ -510,7 +542,7 @@ class Pool(nn.Module):
     def grow(self, counts: list[int], need: int, remaining: int) -> bool:
         """Widen the groups where a segment has fewer than `need` free slots (`counts`),
         `remaining` tokens before the planned end; whether any grew."""
-        E, P = self.every, self.page
+        E, P = self.evict_every, self.page
         grow = {}
         for i, g in enumerate(self.groups):
             least = min(counts[s] for s in g.rows)
