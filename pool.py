@@ -51,26 +51,13 @@ SPREAD = 1.05
 # Queries of a chunk scored at once: their scores against a few thousand slots stay a few MB.
 CHUNK_ROWS = 128
 # The pool's per-slot tensors and what an empty slot holds.
-SLOT_FIELDS = {"k": 0, "v": 0, "pos": -1, "score": 0, "last": 0, "flags": 0}
+SLOT_FIELDS = {"pos": -1, "score": 0, "last": 0, "flags": 0}
 
 
 def slot_bytes(reads_last: bool, ranks: bool = True, measures: int = 0) -> int:
     """Bytes a slot holds besides K and V: position and, where a policy ranks by them, score and
     flags, `last` if read, and the float32 fields policies declare (`measures` of them)."""
     return 4 + (4 + 1) * ranks + 4 * reads_last + 4 * measures
-
-
-def window(bits: int) -> list[str]:
-    """A window's residues of K and V (n, WINDOW, D * residual_bits // 8: what the codes miss,
-    quant.quantize_residual), positions (-1: none), slots."""
-    return [f"w{bits}_{x}" for x in ("k", "v", "pos", "slot")]
-
-
-def stored(bits: int | None) -> list[str]:
-    """A part's K, V tensors: "k", "v" (None: model dtype; 16: 16 bits) or codes, scales, minima."""
-    if not rounds(bits):
-        return ["k", "v"]
-    return [f"{x}{bits}{part}" for x in "kv" for part in ("", "_scale", "_low")]
 
 
 @dataclass
@@ -148,7 +135,6 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
     wanted = {"pos", *(("score", "flags") if ranks else ()), *(("last",) if reads_last else ())}
     fields = {n: e for n, e in SLOT_FIELDS.items() if n in wanted}
     fields.update({n: 0.0 for n in measures or {}})
-    fields.update({n: 0 for b in precisions for n in stored(b)})
     return Pool(groups, page, evict_every, fields, len(choice), device,
                 WINDOW if window is None else window, measures or {})
 
@@ -229,9 +215,114 @@ class Storage(nn.Module, abc.ABC):
         """Bytes really held: K, V, every per-token field and index."""
 
 
+class Part(nn.Module):
+    """The groups stored at one precision, `bits`: their K and V, as pages of their own. In the
+    model's dtype or 16 bits, K as (n, D, P), so that scoring a page is a plain (G, D) x (D, P)
+    product, and V as (n, P, D); in 8, 4 or 2 bits, each as codes with a scale and a minimum per
+    group of numbers (quant.py), (n, P, ...). At 4 or 2 bits also each segment's window: what the
+    codes of its newest tokens miss, with their positions and slots."""
+
+    def __init__(self, bits: int | None):
+        super().__init__()
+        self.bits = bits
+        self.rounds, self.windowed = rounds(bits), windowed(bits)
+        self.names = ["k", "v"] if not self.rounds else [
+            f"{x}{part}" for x in "kv" for part in ("", "_scale", "_low")]
+        self.first = self.pages = 0  # its first page in the pool, and how many
+        self.rows: list[int] = []  # its segments, in order
+
+    def encode(self, k, v, dtype) -> list[torch.Tensor]:
+        """Rows of k, v (m, D) as stored, in the order of `names` (a rounding part's `prepare`d)."""
+        if not self.rounds:  # the model's dtype (a no-op) or 16 bits
+            dtype = dtype if self.bits is None else storage_dtype(self.bits, dtype)
+            return [k.to(dtype), v.to(dtype)]
+        return [*quantize(k, self.bits), *quantize(v, self.bits)]
+
+    def store(self, encoded: list[torch.Tensor], P: int):
+        for name, t in zip(self.names, encoded):
+            if name == "k" and not self.rounds:
+                t = t.view(-1, P, t.shape[-1]).transpose(1, 2).contiguous()  # (n, D, P)
+            else:
+                t = t.view(-1, P, *t.shape[1:])
+            self.register_buffer(name, t, persistent=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.names]
+
+    def write(self, at, encoded: list[torch.Tensor]):
+        """Encoded rows into the part's slots `at` (m,)."""
+        for name, t in zip(self.names, encoded):
+            if name == "k" and not self.rounds:
+                # K's pages are (D, P): the new key's D values lie P apart. One flat
+                # index_copy_, which compiled ran faster than writing k[page, :, slot].
+                P, (m, D) = self.k.shape[-1], t.shape
+                flat = (at // P * (D * P) + at % P)[:, None] + P * torch.arange(D, device=at.device)
+                self.k.view(-1).index_copy_(0, flat.view(-1), t.reshape(m * D))
+            else:
+                dest = getattr(self, name)
+                dest.view(-1, dest.shape[-1]).index_copy_(0, at, t.view(-1, dest.shape[-1]))
+
+    def read(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (n, D, P) and V (n, P, D) in `dtype`, without the window's residues."""
+        if not self.rounds:
+            return self.k.to(dtype), self.v.to(dtype)
+        codes = self.tensors()
+        k = dequantize(*codes[:3], self.bits, dtype)
+        return k.transpose(1, 2), dequantize(*codes[3:], self.bits, dtype)
+
+    # --- The window: what each segment's newest tokens' codes miss ---------------------
+    def open_window(self, n: int, width: int, D: int, device):
+        """An empty window of `width` entries for each of n segments: residues of K and V
+        (n, width, D * residual_bits // 8), positions (-1: none) and slots."""
+        residue = torch.zeros(n, width, D * residual_bits(self.bits) // 8, dtype=torch.uint8,
+                              device=device)
+        self.register_buffer("window_k", residue, persistent=False)
+        self.register_buffer("window_v", residue.clone(), persistent=False)
+        self.register_buffer("window_pos", torch.full((n, width), -1, dtype=torch.int32,
+                                                      device=device), persistent=False)
+        self.register_buffer("window_slot", torch.zeros(n, width, dtype=torch.long,
+                                                        device=device), persistent=False)
+
+    def window(self) -> list[torch.Tensor]:
+        return [self.window_k, self.window_v, self.window_pos, self.window_slot]
+
+    def remember(self, k, v, pos, slot, codes):
+        """Its segments wrote k, v (n, c, D), `prepare`d, at pos, slot (n, c), stored as `codes`
+        (the part's six tensors, (n, c, ...)): each window keeps what the newest miss."""
+        new = (quantize_residual(k, *codes[:3], self.bits),
+               quantize_residual(v, *codes[3:], self.bits), pos.to(torch.int32), slot)
+        held = self.window()
+        if pos.shape[1] == 1:
+            # One token: it takes the oldest entry's place if newer (a padded one, -1, is not),
+            # as the merge below would, without the merge's cat, top-k and gather each step.
+            col = held[-2].argmin(1, keepdim=True)  # (n, 1)
+            newer = pos.to(held[-2].dtype) > held[-2].gather(1, col)
+            for t, x in zip(held, new):
+                shape = (-1, 1) + (1,) * (t.dim() - 2)  # (n, 1) against t's (n, width, ...)
+                at = col.view(shape).expand_as(x)
+                t.scatter_(1, at, torch.where(newer.view(shape), x.to(t.dtype), t.gather(1, at)))
+            return
+        both = [torch.cat([t, x.to(t.dtype)], 1) for t, x in zip(held, new)]
+        top = both[-2].topk(held[-2].shape[1], dim=1).indices  # (n, width)
+        for t, b in zip(held, both):
+            at = top.view(*top.shape, *[1] * (b.dim() - 2)).expand(*top.shape, *b.shape[2:])
+            t.copy_(b.gather(1, at))
+
+    def residues(self, pos, first, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each window entry's slot in the part (E,), and what the codes miss of its key and value
+        (E, D) in `dtype`; 0 for an entry whose token was evicted, or whose slot another took.
+        pos: the pool's positions, flat; first: the part's first slot."""
+        *residues, wpos, slot = self.window()
+        held = ((pos[slot] == wpos) & (wpos >= 0)).view(-1, 1)  # (E, 1)
+        at = torch.where(held[:, 0], slot.view(-1) - first, 0)
+        scales = (t.flatten(0, 1).index_select(0, at) for t in (self.k_scale, self.v_scale))
+        return at, *(dequantize_residual(r.flatten(0, 1), scale, self.bits, dtype).masked_fill_(
+            ~held, 0) for r, scale in zip(residues, scales))
+
+
 class Pool(Storage):
-    """One layer's pool of pages: K as (N, D, P), so that scoring a page is a plain (G, D) x
-    (D, P) product, V as (N, P, D), and each slot's fields as (N, P)."""
+    """One layer's pool of pages: each slot's fields as (N, P), and K and V in its `parts`, one
+    per precision, each part's pages following the one before."""
 
     def __init__(self, groups: list[Group], page: int, evict_every: int, fields: dict,
                  segments: int, device, window: int, measures: dict):
@@ -239,8 +330,6 @@ class Pool(Storage):
         self.groups, self.page, self.fields = groups, page, fields
         self.evict_every = evict_every
         self.measures = measures  # a declared field's name -> its function of a token's k and v
-        # The fields held per slot, not per part: K and V (or their codes) are a part's own.
-        self.slot_names = [n for n in fields if n in measures or n in SLOT_FIELDS and n not in "kv"]
         self.window_size = window  # a 4- or 2-bit part's newest tokens, to about 8 bits
         self.n_growths = 0
         self.cursor = Cursor()
@@ -248,44 +337,35 @@ class Pool(Storage):
         self.register_buffer("dest", torch.zeros(segments, dtype=torch.long, device=device),
                              persistent=False)
         self.register_buffer("free", self.dest.new_zeros(segments, 0), persistent=False)
+        self.parts = nn.ModuleList(Part(b) for b in dict.fromkeys(g.bits for g in groups))
         self.place()
 
     def place(self):
         """Lay the groups out: first pages, page owners, segments' first slots, widths, parts."""
         first, owner, S = 0, [], len(self.dest)
         start, width = [0] * S, [0] * S
-        parts = {}
-        for g in self.groups:
-            g.first = first
-            part = parts.setdefault(g.bits, [first, 0, []])
-            part[1] += len(g.rows) * g.pages
-            part[2] += g.rows
-            for j, s in enumerate(g.rows):
-                start[s], width[s] = (first + g.pages * j) * self.page, g.pages * self.page
-                owner += [s] * g.pages
-            first += len(g.rows) * g.pages
+        for part in self.parts:
+            part.first, part.pages, part.rows = first, 0, []
+            for g in (g for g in self.groups if g.bits == part.bits):
+                g.first = first
+                part.pages += len(g.rows) * g.pages
+                part.rows += g.rows
+                for j, s in enumerate(g.rows):
+                    start[s], width[s] = (first + g.pages * j) * self.page, g.pages * self.page
+                    owner += [s] * g.pages
+                first += len(g.rows) * g.pages
         self.size = first * self.page
-        self.parts = [(bits, f, n) for bits, (f, n, _) in parts.items()]
-        # Compiled steps read the precisions (fixed) and first slots (a tensor: growth moves them).
-        self.precisions = list(parts)
         device = self.dest.device
         for name, t in dict(owner=owner, start=start, width=width).items():
             self.register_buffer(name, torch.tensor(t, device=device), persistent=False)
-        # Each part's segments and first slot, for its writes, where there are several.
-        self.part_rows = [f"rows{bits}" for bits in parts] if len(parts) > 1 else []
-        for name, (_, _, rows) in zip(self.part_rows, parts.values()):
-            self.register_buffer(name, torch.tensor(sorted(rows), device=device), persistent=False)
-        if self.part_rows:
-            self.part_rows.append("part_start")
-            self.register_buffer("part_start", torch.tensor(
-                [f * self.page for f, _, _ in parts.values()], device=device), persistent=False)
-
-    def part(self, name: str) -> tuple[int, list[Group]]:
-        """A field's first page and groups: a part's K and V hold its own groups only."""
-        if name in self.slot_names:
-            return 0, self.groups
-        bits, first = next((b, f) for b, f, _ in self.parts if name in stored(b))
-        return first, [g for g in self.groups if g.bits == bits]
+        # Where there are several parts, each part's segments and first slot, for its writes
+        # (compiled steps read them as tensors: growth moves them).
+        if len(self.parts) > 1:
+            for part in self.parts:
+                part.register_buffer("segs", torch.tensor(sorted(part.rows), device=device),
+                                     persistent=False)
+                part.register_buffer("first_slot", torch.tensor(part.first * self.page,
+                                                                 device=device), persistent=False)
 
     def fill(self, k, v, rows, fields: dict, source, valid):
         """Slot i takes row rows[i] of k and v (B, K, T, D) as (B * T * K, D) and element
@@ -293,12 +373,12 @@ class Pool(Storage):
         attended). valid (S, T): the prompt tokens that set a rounding part's key factors."""
         P, (B, K, T, D) = self.page, k.shape
         self.dtype = k.dtype  # what K and V are read back as
-        for name in self.slot_names:
+        for name in self.fields:
             self.register_buffer(name, fields[name].index_select(0, source).view(-1, P),
                                  persistent=False)
-        self.rounds_keys = any(map(rounds, self.precisions))
+        self.rounds_keys = any(part.rounds for part in self.parts)
         if self.rounds_keys:  # 1 for the segments of a part that does not round
-            exact = [s for g in self.groups if not rounds(g.bits) for s in g.rows]
+            exact = [s for part in self.parts if not part.rounds for s in part.rows]
             factors = channel_factors(k.reshape(B * K, T, D), valid)
             factors[exact] = 1.0
             rotated = torch.ones(B * K, dtype=torch.bool, device=k.device)
@@ -308,32 +388,22 @@ class Pool(Storage):
             self.rotation = hadamard(D, k.device)  # one per process, shared (16 KB at D = 64)
         slot_seg = self.owner.repeat_interleave(P)
         k, v = ((t.transpose(1, 2).reshape(-1, D).index_select(0, rows)) for t in (k, v))
-        for bits, first, n in self.parts:
-            at = slice(first * P, (first + n) * P)
+        for part in self.parts:
+            at = slice(part.first * P, (part.first + part.pages) * P)
             ks, vs = k[at], v[at]
-            if rounds(bits):
+            if part.rounds:
                 ks, vs = self.prepare(ks, vs, slot_seg[at])
-            for name, t in self.encode(bits, ks, vs).items():
-                t = self.keys(t) if name == "k" else t.view(-1, P, *t.shape[1:])
-                self.register_buffer(name, t, persistent=False)
-            if windowed(bits):  # the window starts with the newest tokens kept of the prompt
-                segs, slots = self.rows_of(bits)
+            part.store(part.encode(ks, vs, self.dtype), P)
+            if part.windowed:  # the window starts with the newest tokens kept of the prompt
+                segs, slots = self.rows_of(part)
                 width = min(self.window_size, slots.shape[1])  # no wider than a segment's row
-                for name, t in zip(window(bits), self.window_entries(len(segs), width, k, bits)):
-                    self.register_buffer(name, t, persistent=False)
+                part.open_window(len(segs), width, D, k.device)
                 at = slots.clamp(min=0)
                 pos = self.pos.view(-1)[at].masked_fill(slots < 0, -1)
-                mine = (at - first * P).clamp(min=0)  # the part's own slots
-                codes = [getattr(self, name).flatten(0, 1)[mine] for name in stored(bits)]
-                self.remember(bits, segs, ks[mine], vs[mine], pos, at, codes)
+                mine = (at - part.first * P).clamp(min=0)  # the part's own slots
+                codes = [t.flatten(0, 1)[mine] for t in part.tensors()]
+                part.remember(ks[mine], vs[mine], pos, at, codes)
         self.mark_dynamic()
-
-    def encode(self, bits, k, v) -> dict:
-        """Rows of k, v (n, D) as the part stores them (a rounding part's `prepare`d)."""
-        if not rounds(bits):  # the model's dtype (a no-op) or 16 bits
-            dtype = self.dtype if bits is None else storage_dtype(bits, self.dtype)
-            return dict(k=k.to(dtype), v=v.to(dtype))
-        return dict(zip(stored(bits), (*quantize(k, bits), *quantize(v, bits))))
 
     def prepare(self, k, v, seg=None):
         """Rows of k, v (..., D) as a rounding part rounds them: keys over their factors, both
@@ -343,37 +413,22 @@ class Pool(Storage):
         k = (k.reshape(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
         return self.turn(k), self.turn(v)
 
-    def read(self, bits, with_window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """A part's K (n, D, P) and V (n, P, D) in the model's dtype; `with_window`, its window's
-        residues added (`residues`)."""
-        if not rounds(bits):
-            return self.key_pages().transpose(1, 2).to(self.dtype), self.v.to(self.dtype)
-        codes = [getattr(self, name) for name in stored(bits)]
-        k, v = dequantize(*codes[:3], bits, self.dtype), dequantize(*codes[3:], bits, self.dtype)
-        if with_window and windowed(bits):
-            at, *residues = self.residues(bits)
-            for x, r in zip((k, v), residues):
-                x.view(-1, x.shape[-1]).index_add_(0, at, r)
-        return k.transpose(1, 2), v
-
-    def residues(self, bits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A part's window: each entry's slot in the part (E,), and what the codes miss of its
-        key and value (E, D) in the model's dtype; 0 for an entry whose token was evicted, or
-        whose slot another took."""
-        *residues, pos, slot = (getattr(self, name) for name in window(bits))
-        held = ((self.pos.view(-1)[slot] == pos) & (pos >= 0)).view(-1, 1)  # (E, 1)
-        first = self.part_start[self.precisions.index(bits)] if self.part_rows else 0
-        at = torch.where(held[:, 0], slot.view(-1) - first, 0)
-        scales = (getattr(self, name).flatten(0, 1).index_select(0, at)
-                  for name in stored(bits)[1::3])  # of K and V
-        return at, *(dequantize_residual(r.flatten(0, 1), scale, bits, self.dtype).masked_fill_(
-            ~held, 0) for r, scale in zip(residues, scales))
-
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (N, D, P) and V (N, P, D) of every part, in the model's dtype, as stored: a
-        rounding part's are read by queries, and give outputs, `turned`."""
-        k, v = zip(*(self.read(bits) for bits in self.precisions))
-        return (k[0], v[0]) if len(k) == 1 else (torch.cat(k), torch.cat(v))
+        """K (N, D, P) and V (N, P, D) of every part, in the model's dtype, as stored (a rounding
+        part's read by queries, and giving outputs, `turned`), its window's residues added."""
+        ks, vs = [], []
+        for part in self.parts:
+            k, v = part.read(self.dtype)
+            if part.windowed:
+                at, *residues = part.residues(self.pos.view(-1), part.first * self.page,
+                                              self.dtype)
+                k = k.transpose(1, 2).contiguous()
+                for x, r in zip((k, v), residues):
+                    x.view(-1, x.shape[-1]).index_add_(0, at, r)
+                k = k.transpose(1, 2)
+            ks.append(k)
+            vs.append(v)
+        return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
 
     # --- Rotation: a rounding part holds keys over their factors, K and V rotated ----
     def turned(self, x, power: int = 0):
@@ -400,32 +455,42 @@ class Pool(Storage):
             self.flags.view(-1).index_copy_(0, slot, flags)
         for name, measure in self.measures.items():
             getattr(self, name).view(-1).index_copy_(0, slot, measure(k, v).float())
-        for i, bits in enumerate(self.precisions):
-            if not self.part_rows:  # one part: every segment's rows, in order
+        for part in self.parts:
+            if len(self.parts) == 1:  # every segment's rows, in order
                 segs, rows, at = None, None, slot
             else:
-                segs = getattr(self, f"rows{bits}")
+                segs = part.segs
                 rows = segs if per == 1 else (
                     segs[:, None] * per + torch.arange(per, device=segs.device)).view(-1)
-                at = slot.index_select(0, rows) - self.part_start[i]
+                at = slot.index_select(0, rows) - part.first_slot
             ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
-            if rounds(bits):  # once, for the codes and for the window's residues
+            if part.rounds:  # once, for the codes and for the window's residues
                 ks, vs = self.prepare(ks, vs, segs)
-            encoded = self.encode(bits, ks, vs)
-            for name, t in encoded.items():
-                if name == "k":
-                    self.write_key(at, t)
-                else:
-                    dest = getattr(self, name)
-                    dest.view(-1, dest.shape[-1]).index_copy_(0, at, t.view(-1, dest.shape[-1]))
-            if windowed(bits):
+            encoded = part.encode(ks, vs, self.dtype)
+            part.write(at, encoded)
+            if part.windowed:
                 segs = torch.arange(len(self.dest), device=slot.device) if segs is None else segs
                 n, D = len(segs), k.shape[-1]
                 ps = pos if rows is None else pos.index_select(0, rows)
                 slots = slot if rows is None else slot.index_select(0, rows)
-                self.remember(bits, segs, ks.view(n, per, D), vs.view(n, per, D),
-                              ps.view(n, per), slots.view(n, per),
-                              [t.view(n, per, *t.shape[1:]) for t in encoded.values()])
+                part.remember(ks.view(n, per, D), vs.view(n, per, D), ps.view(n, per),
+                              slots.view(n, per), [t.view(n, per, *t.shape[1:]) for t in encoded])
+
+    def attend(self, q):
+        # Part by part: a segment's pages are all in its part, so each part's output is whole
+        # for its segments and zero for the rest. Joining the parts' K and V first would copy
+        # them all again each step.
+        q, y, last, empty, first = self.turned(q, 1), 0, [], self.pos < 0, 0
+        for part in self.parts:
+            # A window's residues corrected in the scores and outputs: added to K and V, they
+            # would make the step copy both.
+            k, v = part.read(self.dtype)
+            at = slice(first, first + len(v))  # sizes from the tensors: growth needs no new graph
+            window = part.residues(self.pos.view(-1), first * self.page,
+                                   self.dtype) if part.windowed else None
+            y_part, last_part = paged_attention(q, k, v, empty[at], self.owner[at], window)
+            y, last, first = y + y_part, last + [last_part], first + len(v)
+        return self.turned(y), last[0] if len(last) == 1 else torch.cat(last)
 
     def add_scores(self, last):
         """The attention each slot got from the latest query, (N, P)."""
@@ -473,56 +538,23 @@ class Pool(Storage):
                 block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
         return self.turned(y)
 
-    # --- The window: what each 4- or 2-bit segment's newest tokens' codes miss -------
-    def rows_of(self, bits) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows_of(self, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
         """A part's segments (n,) and their slots (n, C), padded with -1."""
-        segs = (getattr(self, f"rows{bits}") if self.part_rows
+        segs = (part.segs if len(self.parts) > 1
                 else torch.arange(len(self.dest), device=self.dest.device))
         start, width = self.start.index_select(0, segs), self.width.index_select(0, segs)
         cols = torch.arange(int(width.max()), device=segs.device)
         return segs, (start[:, None] + cols).masked_fill_(cols >= width[:, None], -1)
 
-    @staticmethod
-    def window_entries(n: int, width: int, like: torch.Tensor, bits: int) -> list[torch.Tensor]:
-        device, D = like.device, like.shape[-1]
-        residue = torch.zeros(n, width, D * residual_bits(bits) // 8, dtype=torch.uint8,
-                              device=device)
-        return [residue, residue.clone(),
-                torch.full((n, width), -1, dtype=torch.int32, device=device),
-                torch.zeros(n, width, dtype=torch.long, device=device)]
-
-    def remember(self, bits, segs, k, v, pos, slot, codes):
-        """Segments segs wrote k, v (n, c, D), `prepare`d, at pos, slot (n, c), stored as `codes`
-        (the part's six tensors, (n, c, ...)): each window keeps what the newest miss."""
-        names = window(bits)
-        new = (quantize_residual(k, *codes[:3], bits), quantize_residual(v, *codes[3:], bits),
-               pos.to(torch.int32), slot)
-        held = [getattr(self, name) for name in names]
-        if pos.shape[1] == 1:
-            # One token: it takes the oldest entry's place if newer (a padded one, -1, is not),
-            # as the merge below would, without the merge's cat, top-k and gather each step.
-            col = held[-2].argmin(1, keepdim=True)  # (n, 1)
-            newer = pos.to(held[-2].dtype) > held[-2].gather(1, col)
-            for t, x in zip(held, new):
-                shape = (-1, 1) + (1,) * (t.dim() - 2)  # (n, 1) against t's (n, width, ...)
-                at = col.view(shape).expand_as(x)
-                t.scatter_(1, at, torch.where(newer.view(shape), x.to(t.dtype), t.gather(1, at)))
-            return
-        both = [torch.cat([t, x.to(t.dtype)], 1) for t, x in zip(held, new)]
-        top = both[-2].topk(held[-2].shape[1], dim=1).indices  # (n, width)
-        for t, b in zip(held, both):
-            at = top.view(*top.shape, *[1] * (b.dim() - 2)).expand(*top.shape, *b.shape[2:])
-            t.copy_(b.gather(1, at))
-
     def relink(self):
         """After slots moved: each window entry pointed at its token's new slot or, if gone, at
         its row's first slot, which cannot hold its position, so the entry reads nothing."""
-        for bits in filter(windowed, self.precisions):
-            *_, pos, slot = (getattr(self, name) for name in window(bits))
-            _, slots = self.rows_of(bits)
+        for part in (p for p in self.parts if p.windowed):
+            _, slots = self.rows_of(part)
             held = self.pos.view(-1)[slots.clamp(min=0)].masked_fill(slots < 0, -1)  # (n, C)
+            pos = part.window_pos
             match = (held[:, None] == pos[..., None]) & (pos[..., None] >= 0)  # (n, WINDOW, C)
-            slot.copy_(slots.gather(1, match.int().argmax(-1)))  # slot 0 of the row if none
+            part.window_slot.copy_(slots.gather(1, match.int().argmax(-1)))  # slot 0 if none
 
     # --- Between steps -----------------------------------------------------------
     def next_slot(self, n: int = 1):
@@ -555,25 +587,44 @@ class Pool(Storage):
             self.widen(grow)
         return bool(grow)
 
-    def widen(self, grow: dict[int, int]):
-        """Add `grow[i]` empty pages to each segment of group i."""
-        parts = {name: [] for name in self.fields}
-        for name, empty in self.fields.items():
-            base, groups = self.part(name)
-            for g in groups:
-                extra = grow.get(self.groups.index(g), 0)
-                t = getattr(self, name)[g.first - base:g.first - base + len(g.rows) * g.pages]
-                t = t.reshape(len(g.rows), g.pages, *t.shape[1:])
-                pad = t.new_full((len(g.rows), extra, *t.shape[2:]), empty)
-                parts[name].append(torch.cat([t, pad], 1).flatten(0, 1))
-        for i, extra in grow.items():
-            self.groups[i].pages += extra
-        for name, ts in parts.items():
-            setattr(self, name, torch.cat(ts))
-        self.n_growths += len(grow)
+    def groups_of(self, part: Part) -> list[Group]:
+        return [g for g in self.groups if g.bits == part.bits]
+
+    def reshape(self, per_group):
+        """Every tensor of the pool, remade group by group: `per_group(t, g, base, empty, keys)`
+        gives group g's block of t anew: a field, or a part's K or V whose first page is `base`
+        (`keys`: K as (N, D, P) pages)."""
+        new = {name: torch.cat([per_group(getattr(self, name), g, 0, empty, False)
+                                for g in self.groups]) for name, empty in self.fields.items()}
+        parts = [[torch.cat([per_group(t, g, part.first, 0, name == "k" and not part.rounds)
+                             for g in self.groups_of(part)])
+                  for name, t in zip(part.names, part.tensors())] for part in self.parts]
+        return new, parts
+
+    def replace(self, new, parts):
+        for name, t in new.items():
+            setattr(self, name, t)
+        for part, ts in zip(self.parts, parts):
+            for name, t in zip(part.names, ts):
+                setattr(part, name, t)
         self.place()
         self.relink()
         self.mark_dynamic()
+
+    def widen(self, grow: dict[int, int]):
+        """Add `grow[i]` empty pages to each segment of group i."""
+        def padded(t, g, base, empty, keys):
+            extra = grow.get(self.groups.index(g), 0)
+            block = t[g.first - base:g.first - base + len(g.rows) * g.pages]
+            block = block.reshape(len(g.rows), g.pages, *block.shape[1:])
+            pad = block.new_full((len(g.rows), extra, *block.shape[2:]), empty)
+            return torch.cat([block, pad], 1).flatten(0, 1)
+
+        new, parts = self.reshape(padded)
+        for i, extra in grow.items():
+            self.groups[i].pages += extra
+        self.n_growths += len(grow)
+        self.replace(new, parts)
 
     def compact(self, room: int):
         """After a chunk's eviction: tokens to their rows' fronts, groups cut to their fullest
@@ -584,72 +635,39 @@ class Pool(Storage):
         pages = [min(g.pages, -(-(m + room) // P)) for g, m in zip(self.groups, most)]
         if pages == [g.pages for g in self.groups]:
             return
-        parts = {name: [] for name in self.fields}
         orders = {id(g): (~h).byte().argsort(dim=1, stable=True)[:, :n * P]  # held slots first
                   for g, h, n in zip(self.groups, held, pages)}
-        for name in self.fields:
-            base, groups = self.part(name)
-            for g in groups:
-                order = orders[id(g)]
-                t = g.block(self.key_pages() if name == "k" else getattr(self, name), base)
-                at = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape,
-                                                                             *t.shape[2:])
-                parts[name].append(t.gather(1, at).flatten(0, 1))  # (n * n_pages * P, ...)
+
+        def gathered(t, g, base, empty, keys):
+            t = g.block(t.transpose(1, 2) if keys else t, base)  # (n, C, ...)
+            order = orders[id(g)]
+            at = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
+            rows = t.gather(1, at).flatten(0, 1)  # (n * n_pages * P, ...)
+            rows = rows.view(-1, P, *rows.shape[1:])
+            return rows.transpose(1, 2).contiguous() if keys else rows
+
+        new, parts = self.reshape(gathered)
         for g, n in zip(self.groups, pages):
             g.pages = n
-        for name, ts in parts.items():
-            rows = torch.cat(ts)
-            rows = self.keys(rows) if name == "k" else rows.view(-1, P, *rows.shape[1:])
-            setattr(self, name, rows)
-        self.place()
-        self.relink()
-        self.mark_dynamic()
+        self.replace(new, parts)
 
     # --- What the pool holds -----------------------------------------------------
     STATE = ("owner", "start", "width", "dest", "free")
 
     def nbytes(self) -> int:
-        names = (*self.fields, *self.STATE, *self.part_rows,
-                 *(["key_factors", "rotated"] if self.rounds_keys else []),
-                 *(name for b in filter(windowed, self.precisions) for name in window(b)))
-        return sum(getattr(self, name).nbytes for name in names)
+        own = [getattr(self, name) for name in (*self.fields, *self.STATE)]
+        if self.rounds_keys:
+            own += [self.key_factors, self.rotated]
+        return sum(t.nbytes for t in own) + sum(t.nbytes for t in self.parts.buffers())
 
     def kept(self) -> int:
         return int((self.pos >= 0).sum())
 
     def mark_dynamic(self):
         """The page count is dynamic from the first step: a growth needs no new graph."""
-        for name in (*self.fields, "owner"):
-            torch._dynamo.maybe_mark_dynamic(getattr(self, name), 0)
-
-    def keys(self, k):
-        return k.view(-1, self.page, k.shape[-1]).transpose(1, 2).contiguous()
-
-    def write_key(self, slot, k):
-        # K's pages are (D, P): the new key's D values lie P apart. One flat
-        # index_copy_, which compiled ran faster than writing k[page, :, slot].
-        P, (S, D) = self.page, k.shape
-        at = (slot // P * (D * P) + slot % P)[:, None] + P * torch.arange(D, device=slot.device)
-        self.k.view(-1).index_copy_(0, at.view(-1), k.reshape(S * D))
-
-    def attend(self, q):
-        # Part by part: a segment's pages are all in its part, so each part's output is whole
-        # for its segments and zero for the rest. Joining the parts' K and V first would copy
-        # them all again each step.
-        q, y, last, empty, first = self.turned(q, 1), 0, [], self.pos < 0, 0
-        for bits in self.precisions:
-            # A window's residues corrected in the scores and outputs: added to K and V, they
-            # would make the step copy both.
-            k, v = self.read(bits, with_window=False)
-            at = slice(first, first + len(v))  # sizes from the tensors: growth needs no new graph
-            y_part, last_part = paged_attention(q, k, v, empty[at], self.owner[at],
-                                                self.residues(bits) if windowed(bits) else None)
-            y, last, first = y + y_part, last + [last_part], first + len(v)
-        return self.turned(y), last[0] if len(last) == 1 else torch.cat(last)
-
-    def key_pages(self):
-        """K as (N, P, D) pages, a view."""
-        return self.k.transpose(1, 2)
+        for t in (*(getattr(self, name) for name in self.fields), self.owner,
+                  *(t for part in self.parts for t in part.tensors())):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 # --- Several layers at once -------------------------------------------------------

@@ -51,7 +51,6 @@ from cache import COPY_BITS, FastGenCache
 from model import Cache
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       Union)
-from pool import window as window_tensors
 from profiling import attention_sums, local_ratios, weigh
 from quant import channel_factors, read_back, rotate, rounds, windowed
 
@@ -663,10 +662,10 @@ class State:
         owner = cache.pool.owner.repeat_interleave(cache.page)
         # Each segment's window entries (pool.window; 0 where its part does not round).
         self.window = [0] * S
-        for bits in filter(windowed, cache.pool.precisions):
-            segs, _ = cache.pool.rows_of(bits)
+        for part in (p for p in cache.pool.parts if p.windowed):
+            segs, _ = cache.pool.rows_of(part)
             for s in segs.tolist():
-                self.window[s] = getattr(cache.pool, window_tensors(bits)[2]).shape[1]
+                self.window[s] = part.window_pos.shape[1]
         self.dest_ok = [j < len(flat) and bool(flat[j] < 0 and owner[j] == s)
                         for s, j in enumerate(cache.pool.dest.tolist())]
         # A chunk's: every slot handed out for it free and its own, none twice.

@@ -430,7 +430,7 @@ def test_threshold_one_makes_every_head_full():
 
 def pool_bytes(cache):
     """Every tensor the cache holds, counted from the outside."""
-    named = {"k", "v", "pos", "score", "last", "flags", "owner", "start", "width",
+    named = {"parts.0.k", "parts.0.v", "pos", "score", "last", "flags", "owner", "start", "width",
              "seg_prompt_len", "seg_first_query", "evicts_by", "drops_by", "dest", "free"}
     buffers = {name.removeprefix("pool."): t for name, t in cache.named_buffers()}
     if not any(p.reads_last for p in cache.plan()):
@@ -452,8 +452,8 @@ def test_reported_compression_is_what_the_tensors_hold():
         assert c.cache.kept() == sum(map(len, c.ref.kept.values()))
         assert c.cache.nbytes() == pool_bytes(c.cache)
         p = c.cache.pool
-        N, P, D = p.v.shape
-        assert p.k.shape == (N, D, P)
+        N, P, D = p.parts[0].v.shape
+        assert p.parts[0].k.shape == (N, D, P)
         assert p.owner.shape == (N,)
         assert all(t.shape == (N, P) for t in (p.pos, p.score, p.flags))
         # Each group's block is as wide as its fullest segment plus one round of new

@@ -261,7 +261,7 @@ def test_full_at_16_bits_matches_the_dense_cache_in_16_bits():
     # The prompt attends at full precision in both; each decode step reads float16.
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert all(c.pool.k.dtype == c.pool.v.dtype == torch.float16 for c in full)
+    assert all(c.pool.parts[0].k.dtype == c.pool.parts[0].v.dtype == torch.float16 for c in full)
     exact = greedy(model, prompts, make_caches(model, CacheOptions("full"), lens, max_new),
                    max_new)
     assert not torch.equal(got, exact)  # float16 is not float32
@@ -285,18 +285,19 @@ def test_bytes_held_are_those_reported_and_priced(width, window):
                                                                          "token_flags")}
         assert c.nbytes() == sum(t.nbytes for t in held.values())
         p = c.pool
-        for bits, first, n in p.parts:
-            seen.add(bits)
-            kv = sum(getattr(p, name).nbytes for name in pool.stored(bits))
-            assert kv == n * p.page * token_bytes(bits, 64)
+        for part in p.parts:
+            seen.add(part.bits)
+            kv = sum(t.nbytes for t in part.tensors())
+            assert kv == part.pages * p.page * token_bytes(part.bits, 64)
             # A window of newest tokens (in 8 bits) at 4 bits, none at 8 or 16.
-            held = [getattr(p, name, None) for name in pool.window(bits)]
-            if bits == 4:  # priced as held (quant.window_bytes)
-                segments = len(p.rows_of(bits)[0])
+            assert part.windowed == (part.bits == 4)
+            if part.windowed:  # priced as held (quant.window_bytes)
+                held = part.window()
+                segments = len(p.rows_of(part)[0])
                 assert held[0].shape[1] == (width or 5)  # the fixture's WINDOW
                 assert sum(t.nbytes for t in held) == segments * quant.window_bytes(4, 64, width)
             else:
-                assert held == [None] * len(pool.window(bits))
+                assert not hasattr(part, "window_k")
     assert len(seen) > 1
 
 
@@ -332,9 +333,9 @@ def test_a_cache_that_keeps_all_keeps_no_score_or_flags():
     greedy(model, prompts_of(lens, seed=2), caches, 8)
     for c in caches:
         p = c.pool
-        assert set(p.fields) == {"pos", *pool.stored(4)}
-        assert sum(getattr(p, n).nbytes for n in p.fields) == p.size * (
-            token_bytes(4, 64) + pool.slot_bytes(False, ranks=False))
+        assert set(p.fields) == {"pos"} and [part.bits for part in p.parts] == [4]
+        held = sum(t.nbytes for t in (p.pos, *p.parts[0].tensors()))
+        assert held == p.size * (token_bytes(4, 64) + pool.slot_bytes(False, ranks=False))
         assert c.token_bytes()[0].tolist() == [token_bytes(4, 64) + 4]  # what the budget pays
 
 
