@@ -2,29 +2,29 @@
 
 A *segment* is one (sequence, KV head) pair. A `Method` names the policies a segment may take
 and how it chooses: the default (`default_method`), the paper's (`paper_method`), or one fixed
-policy for every head (`fixed_method`). In the order it runs:
+policy for every head (`fixed_method`). The method, in the order it runs:
 
-1. Prefill (`FastGenCache.prefill`): attend over the prompt; hold its K, V and the queries
-   profiling reads.
-2. Decide (`decide`): profile how much of each segment's prompt attention each policy recovers
-   (profiling.py); choose its policy (the paper's rule: the shortlist's first to reach the
-   threshold; under a byte budget, the menu items losing a sequence's heads the least attention,
-   one knapsack for SCOPE layers, where a head that copies, found once per model (`copy_heads`),
-   keeps every token); keep what it keeps of the prompt in a pool sized to it (pool.py).
-3. Decode (`FastGenCache.decode`): write the token to a free slot of its segment, attend to
-   all the segment holds, add each held token's attention to its score (heavy hitters stay live).
-4. Between steps (`reserve`): every `evict_every` tokens, free what each policy lets go; hand
-   each segment its next free slots.
-5. Chunk (`FastGenCache.chunk`): T tokens at once (a chat's next turn, a prompt in pieces), as
+1. Prefill, `FastGenCache.prefill`: attend over the prompt; hold its K, V and the queries
+   profiling reads. Layers wait in `Pending` and decide together (`decide`).
+2. Profile, `profile_layers`: how much of each segment's prompt attention each policy recovers
+   (profiling.py).
+3. Choose, `choose_policies`: under a threshold, the paper's rule, the shortlist's first policy
+   to reach it; under a byte budget, one knapsack per sequence over the heads of SCOPE layers.
+   A head that copies (`copy_heads`) keeps every token where that is affordable.
+4. Compress, `compress`: keep what each policy keeps of the prompt in a pool sized to it
+   (pool.py).
+5. Decode, `FastGenCache.decode`: write the token to a free slot of its segment, attend to what
+   the segment holds, add each held token's attention to its score.
+6. Evict, `evict`, run by `reserve` before a step: every `evict_every` tokens, free what each
+   policy lets go; then hand each segment its next free slots.
+7. Chunk, `FastGenCache.chunk`: T tokens at once, a chat's next turn or a prompt in pieces, as
    T decode steps; its last rows choose the policies again (`choose_again`).
 
 With `Method.ask_after` (`--ask-after`), deciding waits until the prompt is read again
-(generation.read_again, `FastGenCache.read_again`): the most attention that reading gives each
-prompt token, times READ_WEIGHT, is its score, for questions asked after the prompt, or what the
-prompt's last rows gave it, where more, for its continuation; the knapsack keeps the most score
-over the heads, as KVzip does; a chunk read again chooses again (`choose_from_reading`).
-`decide` stacks several layers as one batch (`Pending`): one at a time, their many small
-operations would cost as much as the arithmetic.
+(generation.read_again, `FastGenCache.read_again`). A prompt token's score is then the most
+attention that reading gives it, times READ_WEIGHT, or what the prompt's last rows gave it,
+where more; the knapsack keeps the most score over the heads, as KVzip does. A chunk read again
+chooses again (`choose_from_reading`).
 """
 from __future__ import annotations
 
@@ -338,7 +338,7 @@ class FastGenCache(Cache):
                                                ratios))
         self.read_scores = None
         if len(self.policies) > 1:
-            self.choose_again(profiles)
+            choose_again(self, profiles)
 
     def from_sums(self, sums: Profile, tokens, layers: int = 1,
                   kv=None) -> tuple[Slots, torch.Tensor]:
@@ -425,53 +425,10 @@ class FastGenCache(Cache):
         self.seg_prompt_len += counts
         if R:
             rows, ratios = at[:, T - R:], local_ratios(self.policies)
-            self.choose_again([held_profile(seen, self.slots(g), rows[g.seg.to(rows.device)],
-                                            ratios)
-                               for g, seen in zip(self.pool.groups, self.pool.observed)])
+            profiles = [held_profile(seen, self.slots(g), rows[g.seg.to(rows.device)], ratios)
+                        for g, seen in zip(self.pool.groups, self.pool.observed)]
+            choose_again(self, profiles)
         return y.view(B, H, T, D)
-
-    def choose_again(self, profiles: list[Profile]):
-        """Choose each segment's policy again from a Profile of what each group holds now (under a
-        budget, within a share of what a full cache holds by the planned end); segments stay in
-        their groups. A policy is offered only at the precision its segment is stored at, and only
-        if the pool keeps what it reads."""
-        P, device = self.policies, self.prompt_lens.device
-        new = max(self.max_new_tokens - 1 - self.steps, 0)
-        S, M = len(self.choice), len(P)
-        values = torch.zeros(S, M, device=device)
-        costs = torch.zeros(S, M, dtype=torch.long, device=device)
-        for g, prof in zip(self.pool.groups, profiles):
-            seg = g.seg.to(device)
-            s = self.slots(g)
-            s.last = prof.last
-            values[seg] = recoveries(P, s, prof)
-            growth = growths(P, s)
-            costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
-                growth * new).long()
-            if self.bits is not None:
-                other = [i for i, b in enumerate(self.bits) if b != g.bits]
-                values[seg[:, None], other] = -math.inf
-        if "last" not in self.pool.fields:  # not offered: no policy may read what is not kept
-            values[:, [i for i, p in enumerate(P) if p.reads_last]] = -math.inf
-        unit, window, full_unit = self.token_bytes()
-        if self.errors is not None:
-            values = values - self.errors
-        costs = costs * unit + window
-        self.recovery = values
-        values = values.masked_fill(not_offered([self]), -math.inf)
-        heads = self.pending.heads
-        if self.method.kv_budget is None:
-            choice = choose(values, self.method.recovery)
-        else:
-            values, costs = worth(self.method, values)[None], costs[None]
-            if heads is not None:  # tensor parallel: every rank solves for every head
-                values, costs = heads.gather(values), heads.gather(costs)
-            B = len(self.prompt_lens)  # each sequence's share of what its full cache would hold
-            full = (self.seen()[::S // B].cpu() + new) * (costs.shape[1] // B * full_unit)
-            choice, _ = knapsacks(values, costs, (self.share * full).long()[None])
-            choice = (choice if heads is None else heads.mine(choice))[0]
-        self.choice = choice
-        self.follow(choice.tolist())
 
     # --- What the cache holds ------------------------------------------------------
 
@@ -680,6 +637,50 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
                                        spent, budgets, reads):
             c.choice, c.reads_last = pick, r
             c.share = first.method.kv_budget * cost / b.clamp(min=1)  # (B,) what it took
+
+
+def choose_again(cache: FastGenCache, profiles: list[Profile]):
+    """Choose each segment's policy again from a Profile of what each group holds now (under a
+    budget, within a share of what a full cache holds by the planned end); segments stay in
+    their groups. A policy is offered only at the precision its segment is stored at, and only
+    if the pool keeps what it reads."""
+    P, device = cache.policies, cache.prompt_lens.device
+    new = max(cache.max_new_tokens - 1 - cache.steps, 0)
+    S, M = len(cache.choice), len(P)
+    values = torch.zeros(S, M, device=device)
+    costs = torch.zeros(S, M, dtype=torch.long, device=device)
+    for g, prof in zip(cache.pool.groups, profiles):
+        seg = g.seg.to(device)
+        s = cache.slots(g)
+        s.last = prof.last
+        values[seg] = recoveries(P, s, prof)
+        growth = growths(P, s)
+        costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
+            growth * new).long()
+        if cache.bits is not None:
+            other = [i for i, b in enumerate(cache.bits) if b != g.bits]
+            values[seg[:, None], other] = -math.inf
+    if "last" not in cache.pool.fields:  # not offered: no policy may read what is not kept
+        values[:, [i for i, p in enumerate(P) if p.reads_last]] = -math.inf
+    unit, window, full_unit = cache.token_bytes()
+    if cache.errors is not None:
+        values = values - cache.errors
+    costs = costs * unit + window
+    cache.recovery = values
+    values = values.masked_fill(not_offered([cache]), -math.inf)
+    heads = cache.pending.heads
+    if cache.method.kv_budget is None:
+        choice = choose(values, cache.method.recovery)
+    else:
+        values, costs = worth(cache.method, values)[None], costs[None]
+        if heads is not None:  # tensor parallel: every rank solves for every head
+            values, costs = heads.gather(values), heads.gather(costs)
+        B = len(cache.prompt_lens)  # each sequence's share of what its full cache would hold
+        full = (cache.seen()[::S // B].cpu() + new) * (costs.shape[1] // B * full_unit)
+        choice, _ = knapsacks(values, costs, (cache.share * full).long()[None])
+        choice = (choice if heads is None else heads.mine(choice))[0]
+    cache.choice = choice
+    cache.follow(choice.tolist())
 
 
 def not_offered(caches: list[FastGenCache]) -> torch.Tensor:

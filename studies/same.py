@@ -1,0 +1,87 @@
+"""Does a change of the core keep its behaviour? Record, then compare, on 15 configurations.
+
+    python -m studies.same record before.pt          # at the commit before the change
+    python -m studies.same record after.pt           # at the commit after it
+    python -m studies.same compare before.pt after.pt
+
+`record` runs 4 prompts (slices of `--text`) for 32 greedy tokens and 2 of them teacher-forced
+for 16, through each configuration: the default at 0.5 and 0.25, the paper's at 0.95 and 0.9,
+16/8/4 bits at 0.25, the default and the paper's in chunks of 128, the full cache in the model's
+dtype and in 4 bits, every fixed policy at 0.5, and `--ask-after` at 0.25. It keeps the tokens,
+each layer's plan, the kept tokens, the bytes and the logits. `compare` prints a table: the same
+tokens, plans and kept tokens, and the logits' largest difference (float order may change it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from generation import CacheOptions, flags_of, generate, load, score
+
+C = CacheOptions
+CONFIGS = {
+    "default 0.5": C("fastgen", kv_budget=0.5), "default 0.25": C("fastgen", kv_budget=0.25),
+    "paper 0.95": C("fastgen", paper=True, recovery=0.95),
+    "paper 0.9": C("fastgen", paper=True, recovery=0.9),
+    "16/8/4 0.25": C("fastgen", kv_budget=0.25, kv_bits=(16, 8, 4)),
+    "default, chunks of 128": C("fastgen", kv_budget=0.5, prefill_chunk=128),
+    "paper, chunks of 128": C("fastgen", paper=True, prefill_chunk=128),
+    "full": C("full"), "full@4": C("full", kv_bits=(4,)),
+    **{f"{k} 0.5": C(k, kv_budget=0.5) for k in ("local", "sink", "h2o", "tova", "snapkv")},
+    "ask-after 0.25": C("fastgen", kv_budget=0.25, ask_after=True),
+}
+
+
+def record(out: str, text: str, ckpt: str | None = None, new: int = 32,
+           scale: float = 1.0) -> dict:
+    """Run every configuration; save and return what each did. `scale`: of the prompts' lengths
+    in characters (1,500, 2,400, 900 and 2,000), for a small model's context."""
+    torch.set_num_threads(1)
+    model, tok = load(ckpt)
+    flags = flags_of(model, tok)
+    text = open(text).read()
+    at = lambda n: int(n * scale)  # noqa: E731
+    prompts = [tok.encode(text[at(i):at(i + n)]) for i, n in ((0, 1500), (3000, 2400),
+                                                              (6000, 900), (9000, 2000))]
+    follow = [tok.encode(text[at(12000 + 700 * i):at(12200 + 700 * i)])[:16] for i in range(2)]
+    runs = {}
+    for name, options in CONFIGS.items():
+        g = generate(model, prompts, new, cache=options, token_flags=flags)
+        logits = score(model, prompts[:2], follow, cache=options, token_flags=flags)
+        runs[name] = dict(tokens=g.tokens, plan=g.plan, kept=g.kept_tokens, kv=g.kv_bytes,
+                          logits=logits)
+        print(f"{name}: kept {g.kept_tokens}, {g.kv_bytes} bytes", file=sys.stderr, flush=True)
+    torch.save(runs, out)
+    return runs
+
+
+def compare(before: dict, after: dict) -> str:
+    rows = ["| configuration | tokens | plans | kept tokens | KV bytes, before / after | "
+            "logits, largest difference |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, a in before.items():
+        b = after[name]
+        same = lambda key: "same" if a[key] == b[key] else "DIFFER"  # noqa: E731
+        diff = (a["logits"] - b["logits"]).abs().max().item()
+        rows.append(f"| {name} | {same('tokens')} | {same('plan')} | {same('kept')} | "
+                    f"{a['kv']} / {b['kv']} | {diff:.1e} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("record", help="run the configurations and save what they did")
+    r.add_argument("out", help="the file to write (torch.save)")
+    r.add_argument("--text", default="README.md", help="the text the prompts are sliced from; "
+                   "give both runs the same file (default README.md)")
+    r.add_argument("--ckpt", help="checkpoint folder or GGUF (default: the default model)")
+    c = sub.add_parser("compare", help="a table of two records")
+    c.add_argument("before")
+    c.add_argument("after")
+    a = p.parse_args()
+    if a.command == "record":
+        record(a.out, a.text, a.ckpt)
+    else:
+        print(compare(torch.load(a.before), torch.load(a.after)))
