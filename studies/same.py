@@ -3,13 +3,12 @@
     python -m studies.same record before.pt          # at the commit before the change
     python -m studies.same record after.pt           # at the commit after it
     python -m studies.same compare before.pt after.pt
+    python -m studies.same time                      # prefill and eager decode, at each commit
 
-`record` runs 4 prompts (slices of `--text`) for 32 greedy tokens and 2 of them teacher-forced
-for 16, through each configuration: the default at 0.5 and 0.25, the paper's at 0.95 and 0.9,
-16/8/4 bits at 0.25, the default and the paper's in chunks of 128, the full cache in the model's
-dtype and in 4 bits, every fixed policy at 0.5, and `--ask-after` at 0.25. It keeps the tokens,
-each layer's plan, the kept tokens, the bytes and the logits. `compare` prints a table: the same
-tokens, plans and kept tokens, and the logits' largest difference (float order may change it).
+`record` runs 4 prompts cut from `--text` for 32 greedy tokens, and 2 teacher-forced for 16,
+through each of CONFIGS, and keeps tokens, plans, kept tokens, bytes and logits; `compare`
+tabulates two records. `time`: prefill seconds at 1k and 4k tokens and eager decode tokens/s at
+2k x 8, medians of `--runs`, one thread.
 """
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ CONFIGS = {
 
 def record(out: str, text: str, ckpt: str | None = None, new: int = 32,
            scale: float = 1.0) -> dict:
-    """Run every configuration; save and return what each did. `scale`: of the prompts' lengths
-    in characters (1,500, 2,400, 900 and 2,000), for a small model's context."""
+    """Run every configuration; save and return what each did (`scale`: of the prompts)."""
     torch.set_num_threads(1)
     model, tok = load(ckpt)
     flags = flags_of(model, tok)
@@ -55,6 +53,26 @@ def record(out: str, text: str, ckpt: str | None = None, new: int = 32,
         print(f"{name}: kept {g.kept_tokens}, {g.kv_bytes} bytes", file=sys.stderr, flush=True)
     torch.save(runs, out)
     return runs
+
+
+def timings(text: str, ckpt: str | None = None, runs: int = 3):
+    torch.set_num_threads(1)
+    model, tok = load(ckpt)
+    flags = flags_of(model, tok)
+    ids = tok.encode(open(text).read()[:30000]) * 4
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    prefill = dict(full=C("full"), default=CONFIGS["default 0.5"],
+                   ask_after=C("fastgen", kv_budget=0.25, ask_after=True), h2o=CONFIGS["h2o 0.5"])
+    for n in (1024, 4096):
+        for name, options in prefill.items():
+            s = median([generate(model, [ids[:n]], 1, cache=options, token_flags=flags).prefill_s
+                        for _ in range(runs)])
+            print(f"prefill {n} {name}: {s:.2f} s", flush=True)
+    prompts = [ids[300 * b:300 * b + 2048] for b in range(8)]
+    for name in ("full", "default"):
+        rate = median([generate(model, prompts, 48, cache=prefill[name],
+                                token_flags=flags).speeds()[1] for _ in range(runs)])
+        print(f"eager decode 2k x 8 {name}: {rate:.1f} tok/s", flush=True)
 
 
 def compare(before: dict, after: dict) -> str:
@@ -80,8 +98,13 @@ if __name__ == "__main__":
     c = sub.add_parser("compare", help="a table of two records")
     c.add_argument("before")
     c.add_argument("after")
+    t = sub.add_parser("time", help="prefill and eager decode speeds")
+    t.add_argument("--text", default="README.md", help="the text the prompts are cut from")
+    t.add_argument("--runs", type=int, default=3, help="runs per row, their median (default 3)")
     a = p.parse_args()
     if a.command == "record":
         record(a.out, a.text, a.ckpt)
+    elif a.command == "time":
+        timings(a.text, runs=a.runs)
     else:
         print(compare(torch.load(a.before), torch.load(a.after)))
