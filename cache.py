@@ -323,23 +323,6 @@ class FastGenCache(Cache):
         self.profile_s += now(q.device) - t0
         return y
 
-    def choose_from_reading(self):
-        """After a reading again: each held token's score is the most any reading gave it,
-        not weighed (READ_WEIGHT), or what rows gave it while held, where more; choose again."""
-        groups, ratios = self.pool.groups, local_ratios(self.policies)
-        profiles = []
-        for g, got in zip(groups, self.read_scores):
-            score = g.block(self.pool.score)
-            score.copy_(torch.maximum(score, got))
-            if "last" in self.pool.fields:  # what TOVA ranks by when it next evicts
-                g.block(self.pool.last).copy_(score)
-            s = self.slots(g)
-            profiles.append(read_again_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len,
-                                               ratios))
-        self.read_scores = None
-        if len(self.policies) > 1:
-            choose_again(self, profiles)
-
     def from_sums(self, sums: Profile, tokens, layers: int = 1,
                   kv=None) -> tuple[Slots, torch.Tensor]:
         """The prompt's slots scored by `sums` of `layers` stacked layers, (layers * S, T), and
@@ -810,12 +793,30 @@ def read_piece(caches: list[FastGenCache], counts=None, first=None):
             caches[0].pending.flush()
         else:
             for c in caches:
-                c.choose_from_reading()
+                choose_from_reading(c)
         return
     for c in caches:
         c.reads_next = True
         c.counts = torch.as_tensor(counts, device=c.prompt_lens.device)
         c.read_from = torch.as_tensor(first, device=c.prompt_lens.device)
+
+
+def choose_from_reading(cache: FastGenCache):
+    """After a reading again: each held token's score is the most any reading gave it,
+    not weighed (READ_WEIGHT), or what rows gave it while held, where more; choose again."""
+    groups, ratios = cache.pool.groups, local_ratios(cache.policies)
+    profiles = []
+    for g, got in zip(groups, cache.read_scores):
+        score = g.block(cache.pool.score)
+        score.copy_(torch.maximum(score, got))
+        if "last" in cache.pool.fields:  # what TOVA ranks by when it next evicts
+            g.block(cache.pool.last).copy_(score)
+        s = cache.slots(g)
+        profiles.append(read_again_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len,
+                                           ratios))
+    cache.read_scores = None
+    if len(cache.policies) > 1:
+        choose_again(cache, profiles)
 
 
 def asks_after(caches: list) -> bool:

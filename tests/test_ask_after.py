@@ -199,7 +199,7 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 20))
     got = []
-    real = cache.FastGenCache.choose_from_reading
+    real = cache.choose_from_reading
 
     def spy(self):  # what the second chunk, read again, gave each slot, laid out by position
         held = []
@@ -211,12 +211,9 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
         for g, (score, col) in zip(self.pool.groups, held):  # the score: not weighed, where more
             torch.testing.assert_close(g.block(self.pool.score), torch.maximum(score, col))
 
-    cache.FastGenCache.choose_from_reading = spy
-    try:
-        generate(model, ids.tolist(), 1, cache=CacheOptions(
-            "local", kv_budget=1.0, ask_after=True, prefill_chunk=12, kv_bits=bits and (bits,)))
-    finally:
-        cache.FastGenCache.choose_from_reading = real
+    monkeypatch.setattr(cache, "choose_from_reading", spy)
+    generate(model, ids.tolist(), 1, cache=CacheOptions(
+        "local", kv_budget=1.0, ask_after=True, prefill_chunk=12, kv_bits=bits and (bits,)))
     sees = sees_part(20, 12, 8, 8)
     recorders = [Masked(sees) for _ in model.layers]
     model.setup_caches(recorders)
