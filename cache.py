@@ -285,10 +285,9 @@ class FastGenCache(Cache):
         """Attend, causally, over these R tokens read again and, of what is held (the prompt
         before `decide`, else the pool), over the window READ_SINKS and READ_BEFORE give the
         R prompt tokens from `read_from` that they repeat; add what each held token got to
-        `ask_after`, holding none of them. A token read again then costs a bounded amount, not
+        `read_scores`, holding none of them. A token read again then costs a bounded amount, not
         all that is held."""
         t0 = now(q.device)
-        sums = read_again_sums
         B, H, R, D = q.shape
         if self.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
             _, ck, cv, _ = self.held
@@ -296,8 +295,8 @@ class FastGenCache(Cache):
             lo = max(0, s - READ_BEFORE)
             cols = torch.cat([torch.arange(min(READ_SINKS, lo)), torch.arange(lo, min(s + R, T))])
             cols = cols.to(q.device)
-            y, col = sums(q, k, v, ck[:, :, cols], cv[:, :, cols],
-                          cols < self.prompt_lens[:, None], self.counts)
+            y, col = read_again_sums(q, k, v, ck[:, :, cols], cv[:, :, cols],
+                                     cols < self.prompt_lens[:, None], self.counts)
             got = [col.new_zeros(len(col), T).index_copy_(1, cols, col)]
         else:  # the pool: a group's segments at a time, each a sequence of one KV head
             K = self.n_kv_heads
@@ -313,8 +312,8 @@ class FastGenCache(Cache):
                 pos, at = g.block(self.pool.pos), first[seg][:, None]
                 reads = (pos >= 0) & ((pos < READ_SINKS) | ((pos >= at - READ_BEFORE)
                                                             & (pos < at + R)))
-                y[seg], col = sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
-                                   g.block(values)[:, None], reads, counts[seg])
+                y[seg], col = read_again_sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
+                                              g.block(values)[:, None], reads, counts[seg])
                 got.append(col)
             y = self.pool.turned(y).view(B, H, R, D)
         if self.read_scores is not None:
