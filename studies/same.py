@@ -55,8 +55,9 @@ def record(out: str, text: str, ckpt: str | None = None, new: int = 32,
     return runs
 
 
-def timings(text: str, ckpt: str | None = None, runs: int = 3):
-    torch.set_num_threads(1)
+def timings(text: str, ckpt: str | None = None, runs: int = 3, compiled: bool = False,
+            threads: int = 1):
+    torch.set_num_threads(threads)
     model, tok = load(ckpt)
     flags = flags_of(model, tok)
     ids = tok.encode(open(text).read()[:30000]) * 4
@@ -69,10 +70,13 @@ def timings(text: str, ckpt: str | None = None, runs: int = 3):
                         for _ in range(runs)])
             print(f"prefill {n} {name}: {s:.2f} s", flush=True)
     prompts = [ids[300 * b:300 * b + 2048] for b in range(8)]
-    for name in ("full", "default"):
-        rate = median([generate(model, prompts, 48, cache=prefill[name],
-                                token_flags=flags).speeds()[1] for _ in range(runs)])
-        print(f"eager decode 2k x 8 {name}: {rate:.1f} tok/s", flush=True)
+    decode = dict(full=prefill["full"], default=prefill["default"]) if not compiled else {
+        "full@16": C("full", kv_bits=(16,)), "16/8/4 0.25": CONFIGS["16/8/4 0.25"]}
+    for name, options in decode.items():  # compiled: a first run compiles
+        run = lambda: generate(model, prompts, 48, cache=options, token_flags=flags,  # noqa: E731
+                               compile=compiled).speeds()[1]
+        rate = median([run() for _ in range(runs + compiled)][compiled:])
+        print(f"{'compiled' if compiled else 'eager'} decode 2k x 8 {name}: {rate:.1f} tok/s")
 
 
 def compare(before: dict, after: dict) -> str:
@@ -101,10 +105,13 @@ if __name__ == "__main__":
     t = sub.add_parser("time", help="prefill and eager decode speeds")
     t.add_argument("--text", default="README.md", help="the text the prompts are cut from")
     t.add_argument("--runs", type=int, default=3, help="runs per row, their median (default 3)")
+    t.add_argument("--compile", action="store_true", help="decode compiled: the full cache in 16 "
+                   "bits and 16/8/4 at 0.25, after a run that compiles (prefill as without)")
+    t.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     a = p.parse_args()
     if a.command == "record":
         record(a.out, a.text, a.ckpt)
     elif a.command == "time":
-        timings(a.text, runs=a.runs)
+        timings(a.text, runs=a.runs, compiled=a.compile, threads=a.threads)
     else:
         print(compare(torch.load(a.before), torch.load(a.after)))
