@@ -12,7 +12,6 @@ One rule compresses the prompt at prefill and evicts while decoding, so the two 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch

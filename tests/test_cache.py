@@ -9,7 +9,7 @@ import cache
 import pool
 from cache import FastGenCache, Method, fastgen_caches
 from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
-from model import KVCache, ModelArgs, Transformer, causal_attention, reserve
+from model import KVCache, ModelArgs, Transformer, reserve
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
 from profiling import (CHUNK_BYTES, Profile, attention_sums, carried, local_ratios, prompt_slots,

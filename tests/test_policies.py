@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV,
-                      Special, Union, baseline, menu, ranks, shortlist, token_flags)
+                      Special, Union, baseline, menu, shortlist, token_flags)
 from tokenizer import _is_punctuation
 
 
