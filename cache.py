@@ -21,7 +21,7 @@ policy for every head (`fixed_method`). The method, in the order it runs:
    T decode steps; its last rows choose the policies again (`choose_again`).
 
 With `Method.ask_after` (`--ask-after`), deciding waits until the prompt is read again
-(generation.read_again, `FastGenCache.read_again`). A prompt token's score is then the most
+(generation.read_again, `cache.read_again`). A prompt token's score is then the most
 attention that reading gives it, times READ_WEIGHT, or what the prompt's last rows gave it,
 where more; the knapsack keeps the most score over the heads, as KVzip does. A chunk read again
 chooses again (`choose_from_reading`).
@@ -260,7 +260,7 @@ class FastGenCache(Cache):
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.reads_next:
-            return self.read_again(q, k, v)
+            return read_again(self, q, k, v)
         if self.pool is None:
             if self.held is not None:  # the prompt waits for `decide`: only reading again does
                 raise RuntimeError(UNREAD)
@@ -280,80 +280,6 @@ class FastGenCache(Cache):
         self.profile_s = now(q.device) - t0
         self.pending.add(self)
         return causal_attention(q, k, v)
-
-    def read_again(self, q, k, v):
-        """Attend, causally, over these R tokens read again and, of what is held (the prompt
-        before `decide`, else the pool), over the window READ_SINKS and READ_BEFORE give the
-        R prompt tokens from `read_from` that they repeat; add what each held token got to
-        `read_scores`, holding none of them. A token read again then costs a bounded amount, not
-        all that is held."""
-        t0 = now(q.device)
-        B, H, R, D = q.shape
-        if self.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
-            _, ck, cv, _ = self.held
-            T, s = ck.shape[2], int(self.read_from[0])
-            lo = max(0, s - READ_BEFORE)
-            cols = torch.cat([torch.arange(min(READ_SINKS, lo)), torch.arange(lo, min(s + R, T))])
-            cols = cols.to(q.device)
-            y, col = read_again_sums(q, k, v, ck[:, :, cols], cv[:, :, cols],
-                                     cols < self.prompt_lens[:, None], self.counts)
-            got = [col.new_zeros(len(col), T).index_copy_(1, cols, col)]
-        else:  # the pool: a group's segments at a time, each a sequence of one KV head
-            K = self.n_kv_heads
-            q, k, v = q.reshape(B * K, H // K, R, D), k.reshape(B * K, 1, R, D), v.reshape(
-                B * K, 1, R, D)
-            counts, first = (t.repeat_interleave(K) for t in (self.counts, self.read_from))
-            q, k, v = (self.pool.turned(x, p) for x, p in ((q, 1), (k, -1), (v, 0)))  # as held
-            keys, values = self.pool.kv_pages()
-            keys = keys.transpose(1, 2)  # (N, P, D)
-            y, got = torch.empty_like(q), []
-            for g in self.pool.groups:
-                seg = g.seg.to(q.device)
-                pos, at = g.block(self.pool.pos), first[seg][:, None]
-                reads = (pos >= 0) & ((pos < READ_SINKS) | ((pos >= at - READ_BEFORE)
-                                                            & (pos < at + R)))
-                y[seg], col = read_again_sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
-                                              g.block(values)[:, None], reads, counts[seg])
-                got.append(col)
-            y = self.pool.turned(y).view(B, H, R, D)
-        if self.read_scores is not None:
-            got = list(map(torch.maximum, self.read_scores, got))
-        self.read_scores = got
-        self.profile_s += now(q.device) - t0
-        return y
-
-    def from_sums(self, sums: Profile, tokens, layers: int = 1,
-                  kv=None) -> tuple[Slots, torch.Tensor]:
-        """The prompt's slots scored by `sums` of `layers` stacked layers, (layers * S, T), and
-        each policy's recovery, (layers * S, M); None for a single policy (nothing to choose).
-        kv: the layers' prompt keys and values, (layers * B, K, T, D) each, which the fields
-        policies declare are measured on."""
-        prompt = prompt_slots(sums, self.prompt_lens, self.token_flags[tokens], self.n_kv_heads,
-                              layers, self.method.span)
-        if kv is not None:
-            prompt.fields = {name: f(*(t.flatten(0, 1) for t in kv)).float()
-                             for name, f in self.measures.items()}
-        if len(self.policies) == 1:
-            return prompt, None
-        return prompt, recoveries(self.policies, prompt, sums)
-
-    def layout(self, prompt: Slots, choice: list[int], kept: list[int], growth: list[float]):
-        """Lay out the pool for what each segment's policy keeps of its prompt (S, T): on the
-        host, each segment's policy, its kept tokens and `growth`."""
-        device = prompt.pos.device
-        chosen = [self.policies[i] for i in sorted(set(choice))]
-        self.pool = pool.build(choice, kept, growth,
-                               self.reads_last or any(p.reads_last for p in chosen),
-                               page=self.page, evict_every=self.evict_every,
-                               new=self.max_new_tokens - 1,
-                               device=device, bits=self.bits,
-                               ranks=self.ranks, window=self.method.window,
-                               measures=self.measures)
-        by = torch.tensor(choice, device=device)
-        for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
-                            seg_first_query=prompt.first_query[:, 0]).items():
-            self.register_buffer(name, t.clone(), persistent=False)
-        self.follow(choice)
 
     def follow(self, choice: list[int]):
         """Each segment's policy as eviction asks it, -1 none: after a chunk, all but those that
@@ -442,21 +368,6 @@ class FastGenCache(Cache):
         remaining = self.max_new_tokens - 1 - self.steps
         return min(E - self.clock.since % E, remaining) if remaining > 0 else E
 
-    def token_bytes(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Per policy (M,), a kept token's cost and a segment's besides, and a full cache's token
-        cost: with `bits`, bytes of key, value and slot, a 4- or 2-bit head's window
-        (quant.window_bytes), and 16-bit K and V; else 1, 0 and 1 (a budget in tokens)."""
-        M, device = len(self.policies), self.prompt_lens.device
-        if self.bits is None:
-            return torch.ones(M, dtype=torch.long, device=device), torch.zeros(
-                M, dtype=torch.long, device=device), 1
-        D = self.head_dim
-        slot = pool.slot_bytes(any(p.reads_last for p in self.policies), self.ranks,
-                               len(self.measures))
-        unit = torch.tensor([token_bytes(b, D) + slot for b in self.bits], device=device)
-        return unit, torch.tensor([window_bytes(b, D, self.method.window) for b in self.bits],
-                                  device=device), token_bytes(16, D)
-
     @staticmethod
     def reserve(caches: list[FastGenCache], tokens=1):
         reserve(caches, tokens)
@@ -523,7 +434,7 @@ def decide(caches: list[FastGenCache]):
         raise ValueError("decide: the layers' caches must share their method and max_new_tokens")
     sums = profile_layers(caches)
     kv = [torch.cat([c.held[i] for c in caches]) for i in (1, 2)] if first.measures else None
-    prompt, recovery = first.from_sums(sums, first.held[3], layers=len(caches), kv=kv)
+    prompt, recovery = scored_prompt(first, sums, first.held[3], layers=len(caches), kv=kv)
     if recovery is not None and first.bits is not None and any(map(rounds, first.bits)):
         # What each precision costs, as attention lost: 16 bits nothing.
         q, k, v = (torch.cat([c.held[i] for c in caches]) for i in range(3))
@@ -575,6 +486,38 @@ def profile_layers(caches: list[FastGenCache]) -> Profile:
     return Profile.cat(parts)
 
 
+def scored_prompt(cache: FastGenCache, sums: Profile, tokens, layers: int = 1,
+                  kv=None) -> tuple[Slots, torch.Tensor]:
+    """The prompt's slots scored by `sums` of `layers` stacked layers, (layers * S, T), and
+    each policy's recovery, (layers * S, M); None for a single policy (nothing to choose).
+    kv: the layers' prompt keys and values, (layers * B, K, T, D) each, which the fields
+    policies declare are measured on."""
+    prompt = prompt_slots(sums, cache.prompt_lens, cache.token_flags[tokens], cache.n_kv_heads,
+                          layers, cache.method.span)
+    if kv is not None:
+        prompt.fields = {name: f(*(t.flatten(0, 1) for t in kv)).float()
+                         for name, f in cache.measures.items()}
+    if len(cache.policies) == 1:
+        return prompt, None
+    return prompt, recoveries(cache.policies, prompt, sums)
+
+
+def token_costs(cache: FastGenCache) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per policy (M,), a kept token's cost and a segment's besides, and a full cache's token
+    cost: with `bits`, bytes of key, value and slot, a 4- or 2-bit head's window
+    (quant.window_bytes), and 16-bit K and V; else 1, 0 and 1 (a budget in tokens)."""
+    M, device = len(cache.policies), cache.prompt_lens.device
+    if cache.bits is None:
+        return torch.ones(M, dtype=torch.long, device=device), torch.zeros(
+            M, dtype=torch.long, device=device), 1
+    D = cache.head_dim
+    slot = pool.slot_bytes(any(p.reads_last for p in cache.policies), cache.ranks,
+                           len(cache.measures))
+    unit = torch.tensor([token_bytes(b, D) + slot for b in cache.bits], device=device)
+    return unit, torch.tensor([window_bytes(b, D, cache.method.window) for b in cache.bits],
+                              device=device), token_bytes(16, D)
+
+
 def growths(policies: list[Policy], prompt: Slots) -> torch.Tensor:
     """(S, M) the share of new tokens each policy holds on to (Policy.growth)."""
     return torch.stack([p.growth(prompt) for p in policies], 1)
@@ -603,7 +546,7 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         c.choice = choose(o, c.method.recovery) if c.method.kv_budget is None else None
     if first.method.kv_budget is not None:
         new = first.max_new_tokens - 1
-        unit, window, full_unit = first.token_bytes()  # in tokens, or in bytes with `bits`
+        unit, window, full_unit = token_costs(first)  # in tokens, or in bytes with `bits`
         costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
         values = worth(first.method, offered)
         if heads is not None:  # tensor parallel: every rank solves for every head
@@ -644,7 +587,7 @@ def choose_again(cache: FastGenCache, profiles: list[Profile]):
             values[seg[:, None], other] = -math.inf
     if "last" not in cache.pool.fields:  # not offered: no policy may read what is not kept
         values[:, [i for i, p in enumerate(P) if p.reads_last]] = -math.inf
-    unit, window, full_unit = cache.token_bytes()
+    unit, window, full_unit = token_costs(cache)
     if cache.errors is not None:
         values = values - cache.errors
     costs = costs * unit + window
@@ -705,6 +648,26 @@ def knapsacks(values, costs, budgets):
     return picks, spent.cpu()
 
 
+def lay_out(cache: FastGenCache, prompt: Slots, choice: list[int], kept: list[int],
+            growth: list[float]):
+    """Lay out the pool for what each segment's policy keeps of its prompt (S, T): on the
+    host, each segment's policy, its kept tokens and `growth`."""
+    device = prompt.pos.device
+    chosen = [cache.policies[i] for i in sorted(set(choice))]
+    cache.pool = pool.build(choice, kept, growth,
+                           cache.reads_last or any(p.reads_last for p in chosen),
+                           page=cache.page, evict_every=cache.evict_every,
+                           new=cache.max_new_tokens - 1,
+                           device=device, bits=cache.bits,
+                           ranks=cache.ranks, window=cache.method.window,
+                           measures=cache.measures)
+    by = torch.tensor(choice, device=device)
+    for name, t in dict(seg_prompt_len=prompt.prompt_len[:, 0], drops_by=by, evicts_by=by,
+                        seg_first_query=prompt.first_query[:, 0]).items():
+        cache.register_buffer(name, t.clone(), persistent=False)
+    cache.follow(choice)
+
+
 def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
     """Keep what each segment's policy keeps of its prompt: lay out pools on the host, fill them."""
     choice = torch.cat([c.choice for c in caches])
@@ -715,7 +678,7 @@ def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
     S = len(choices) // len(caches)
     for i, c in enumerate(caches):
         rows = slice(i * S, (i + 1) * S)
-        c.layout(prompt[rows], choices[rows], kept[rows], grown[rows])
+        lay_out(c, prompt[rows], choices[rows], kept[rows], grown[rows])
     fields = dict(pos=prompt.pos.int(), score=prompt.score, last=prompt.last, flags=prompt.flags,
                   **prompt.fields)
     pool.fill_from_prompt([c.pool for c in caches], fields, keep, [c.held[1:3] for c in caches])
@@ -736,7 +699,7 @@ def reserve(caches: list[FastGenCache], tokens=1):
     read = [c for c in evicting if c.clock.read]
     evict(evicting)
     for c in read:  # the slots a chunk took and its policies let go, given back
-        c.pool.compact(c.evict_every)
+        pool.compact(c.pool, c.evict_every)
     # Free slots for every step until the next eviction; groups that have fewer grow.
     pool.hand_out([c.pool for c in due], [max(c.need(), T) for c in due],
                   [c.max_new_tokens - 1 - c.steps for c in due])
@@ -779,6 +742,48 @@ def evict(caches: list[FastGenCache]):
         return Slots(**rows, **seg, fields=fields).keeps(policies[i])
     pool.evict([c.pool for c in caches], torch.cat(by), len(policies), names + measured,
                segments, keeps)
+
+
+def read_again(cache: FastGenCache, q, k, v):
+    """Attend, causally, over these R tokens read again and, of what is held (the prompt
+    before `decide`, else the pool), over the window READ_SINKS and READ_BEFORE give the
+    R prompt tokens from `read_from` that they repeat; add what each held token got to
+    `read_scores`, holding none of them. A token read again then costs a bounded amount, not
+    all that is held."""
+    t0 = now(q.device)
+    B, H, R, D = q.shape
+    if cache.pool is None:  # the prompt, as prefill held it: every sequence's part starts alike
+        _, ck, cv, _ = cache.held
+        T, s = ck.shape[2], int(cache.read_from[0])
+        lo = max(0, s - READ_BEFORE)
+        cols = torch.cat([torch.arange(min(READ_SINKS, lo)), torch.arange(lo, min(s + R, T))])
+        cols = cols.to(q.device)
+        y, col = read_again_sums(q, k, v, ck[:, :, cols], cv[:, :, cols],
+                                 cols < cache.prompt_lens[:, None], cache.counts)
+        got = [col.new_zeros(len(col), T).index_copy_(1, cols, col)]
+    else:  # the pool: a group's segments at a time, each a sequence of one KV head
+        K = cache.n_kv_heads
+        q, k, v = q.reshape(B * K, H // K, R, D), k.reshape(B * K, 1, R, D), v.reshape(
+            B * K, 1, R, D)
+        counts, first = (t.repeat_interleave(K) for t in (cache.counts, cache.read_from))
+        q, k, v = (cache.pool.turned(x, p) for x, p in ((q, 1), (k, -1), (v, 0)))  # as held
+        keys, values = cache.pool.kv_pages()
+        keys = keys.transpose(1, 2)  # (N, P, D)
+        y, got = torch.empty_like(q), []
+        for g in cache.pool.groups:
+            seg = g.seg.to(q.device)
+            pos, at = g.block(cache.pool.pos), first[seg][:, None]
+            reads = (pos >= 0) & ((pos < READ_SINKS) | ((pos >= at - READ_BEFORE)
+                                                        & (pos < at + R)))
+            y[seg], col = read_again_sums(q[seg], k[seg], v[seg], g.block(keys)[:, None],
+                                          g.block(values)[:, None], reads, counts[seg])
+            got.append(col)
+        y = cache.pool.turned(y).view(B, H, R, D)
+    if cache.read_scores is not None:
+        got = list(map(torch.maximum, cache.read_scores, got))
+    cache.read_scores = got
+    cache.profile_s += now(q.device) - t0
+    return y
 
 
 def read_piece(caches: list[FastGenCache], counts=None, first=None):

@@ -89,7 +89,7 @@ def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ
     to keep by the attention it gives (cache.Method.ask_after): KVzip's context
     reconstruction in chunks, each piece attending to the first tokens, its
     own part of what is held and the part before it, and causally to itself
-    (FastGenCache.read_again). Nothing of it is kept. A piece is placed at
+    (cache.read_again). Nothing of it is kept. A piece is placed at
     `start` (B,), the position after what was read (default: counts, a whole
     prompt), or earlier where it would run past the model's context. With
     `decide` False the caches hold what it gave until

@@ -10,7 +10,7 @@ prompt allocates about a twentieth of a full head's bytes.
 Each group stores K and V at its policy's precision (quant.py); the groups of one precision form
 a *part*, with K and V in tensors of its own (model dtype, float16, or codes with scales and
 minima). A rounding part stores keys over their channel factors and both K and V rotated
-(quant.py), and reads them so: `turned` brings a query to them and the output back.
+(quant.py), and reads them so: `Rotation` turns a query to them and the output back.
 A part at 4 or 2 bits also keeps each segment's newest tokens to about 8 bits (its *window*, as
 wide as the method says, quant.WINDOW if it does not): what their codes miss, added as they are
 read. K is kept as pages (N, D, P), and a decode step pieces each segment's softmax together
@@ -165,15 +165,9 @@ def paged_attention(q, k, v, empty, owner, window=None):
         scores = scores.index_put((page[:, None], heads, col[:, None]), extra, accumulate=True)
     scores = scores.masked_fill(empty[:, None], -math.inf)
     mine = owner == torch.arange(S, device=owner.device)[:, None]  # (S, N)
-    page_top = scores.amax(-1)  # (N, G)
-    if torch.compiler.is_compiling():
-        # Compiled, one fused reduction over each segment's pages, where a
-        # scatter_reduce stays an op of its own; eager, this would write out
-        # an (S, N, G) tensor, and the scatter is the faster.
-        top = page_top.expand(S, N, G).masked_fill(~mine[..., None], -math.inf).amax(1)
-    else:
-        top = page_top.new_full((S, G), -math.inf).scatter_reduce(
-            0, owner[:, None].expand(N, G), page_top, "amax")
+    # Each segment's maximum over its pages: one fused reduction compiled (a scatter_reduce
+    # would stay an op of its own).
+    top = scores.amax(-1).expand(S, N, G).masked_fill(~mine[..., None], -math.inf).amax(1)
     e = (scores - top.index_select(0, owner)[..., None]).exp()
     total = scores.new_zeros(S, G).index_add_(0, owner, e.sum(-1))
     probs = e / total.index_select(0, owner)[..., None]
@@ -320,6 +314,44 @@ class Part(nn.Module):
             ~held, 0) for r, scale in zip(residues, scales))
 
 
+class Rotation(nn.Module):
+    """How rounding parts hold keys and values: keys over their channel factors, both rotated
+    (quant.py), for the segments of a part that rounds; the others' factors are 1, unrotated.
+    A query turned to the keys' power scores them as it would the keys,
+    q . k = (q f) R . (k / f) R, and an output over stored values turns back."""
+
+    def __init__(self, k, valid, exact: list[int]):
+        """k (S, T, D) the prompt's keys, valid (S, T) those that set the factors; `exact`: the
+        segments of parts that do not round."""
+        super().__init__()
+        factors = channel_factors(k, valid)
+        factors[exact] = 1.0
+        rotated = torch.ones(len(k), dtype=torch.bool, device=k.device)
+        rotated[exact] = False
+        self.register_buffer("key_factors", factors, persistent=False)
+        self.register_buffer("rotated", rotated, persistent=False)
+        self.matrix = hadamard(k.shape[-1], k.device)  # one per process, shared (16 KB at D = 64)
+
+    def prepare(self, k, v, seg=None):
+        """Rows of k, v (..., D) as a rounding part rounds them: keys over their factors, both
+        rotated. seg: their segments, as many consecutive rows each (None: every segment, in
+        order)."""
+        f = self.key_factors if seg is None else self.key_factors.index_select(0, seg)
+        k = (k.reshape(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
+        return self.turn(k), self.turn(v)
+
+    def turned(self, x, power: int = 0):
+        """x (S, ..., D) times the segments' key factors to `power`, rotated where they round."""
+        y = x
+        if power:
+            f = self.key_factors.view(len(self.rotated), *[1] * (x.dim() - 2), -1).to(x.dtype)
+            y = x * f if power > 0 else x / f
+        return torch.where(self.rotated.view(-1, *[1] * (x.dim() - 1)), self.turn(y), x)
+
+    def turn(self, x):
+        return rotate(x, self.matrix)  # the matrix at hand: no cache lookup in a compiled step
+
+
 class Pool(Storage):
     """One layer's pool of pages: each slot's fields as (N, P), and K and V in its `parts`, one
     per precision, each part's pages following the one before."""
@@ -376,23 +408,17 @@ class Pool(Storage):
         for name in self.fields:
             self.register_buffer(name, fields[name].index_select(0, source).view(-1, P),
                                  persistent=False)
-        self.rounds_keys = any(part.rounds for part in self.parts)
-        if self.rounds_keys:  # 1 for the segments of a part that does not round
+        self.rotation = None
+        if any(part.rounds for part in self.parts):
             exact = [s for part in self.parts if not part.rounds for s in part.rows]
-            factors = channel_factors(k.reshape(B * K, T, D), valid)
-            factors[exact] = 1.0
-            rotated = torch.ones(B * K, dtype=torch.bool, device=k.device)
-            rotated[exact] = False
-            self.register_buffer("key_factors", factors, persistent=False)
-            self.register_buffer("rotated", rotated, persistent=False)
-            self.rotation = hadamard(D, k.device)  # one per process, shared (16 KB at D = 64)
+            self.rotation = Rotation(k.reshape(B * K, T, D), valid, exact)
         slot_seg = self.owner.repeat_interleave(P)
         k, v = ((t.transpose(1, 2).reshape(-1, D).index_select(0, rows)) for t in (k, v))
         for part in self.parts:
             at = slice(part.first * P, (part.first + part.pages) * P)
             ks, vs = k[at], v[at]
             if part.rounds:
-                ks, vs = self.prepare(ks, vs, slot_seg[at])
+                ks, vs = self.rotation.prepare(ks, vs, slot_seg[at])
             part.store(part.encode(ks, vs, self.dtype), P)
             if part.windowed:  # the window starts with the newest tokens kept of the prompt
                 segs, slots = self.rows_of(part)
@@ -404,14 +430,6 @@ class Pool(Storage):
                 codes = [t.flatten(0, 1)[mine] for t in part.tensors()]
                 part.remember(ks[mine], vs[mine], pos, at, codes)
         self.mark_dynamic()
-
-    def prepare(self, k, v, seg=None):
-        """Rows of k, v (..., D) as a rounding part rounds them: keys over their factors, both
-        rotated. seg: their segments, as many consecutive rows each (None: every segment, in
-        order)."""
-        f = self.key_factors if seg is None else self.key_factors.index_select(0, seg)
-        k = (k.reshape(len(f), -1, k.shape[-1]) / f[:, None]).view_as(k)
-        return self.turn(k), self.turn(v)
 
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (N, D, P) and V (N, P, D) of every part, in the model's dtype, as stored (a rounding
@@ -430,21 +448,10 @@ class Pool(Storage):
             vs.append(v)
         return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
 
-    # --- Rotation: a rounding part holds keys over their factors, K and V rotated ----
     def turned(self, x, power: int = 0):
-        """x (S, ..., D) as a rounding part's segments hold it: times their key factors to
-        `power`, rotated. Queries (1) score stored keys (-1) as they would the keys,
-        q . k = (q f) R . (k / f) R; an output over stored values (0) comes back."""
-        if not self.rounds_keys:
-            return x
-        y = x
-        if power:
-            f = self.key_factors.view(len(self.dest), *[1] * (x.dim() - 2), -1).to(x.dtype)
-            y = x * f if power > 0 else x / f
-        return torch.where(self.rotated.view(-1, *[1] * (x.dim() - 1)), self.turn(y), x)
-
-    def turn(self, x):
-        return rotate(x, self.rotation)  # the matrix at hand: no cache lookup in a compiled step
+        """x as the segments hold it (`Rotation.turned`): a query (1), a key (-1), a value or
+        an output (0)."""
+        return x if self.rotation is None else self.rotation.turned(x, power)
 
     # --- A decode step -----------------------------------------------------------
     def write(self, k, v, pos, flags, slot=None, per: int = 1):
@@ -465,7 +472,7 @@ class Pool(Storage):
                 at = slot.index_select(0, rows) - part.first_slot
             ks, vs = (t if rows is None else t.index_select(0, rows) for t in (k, v))
             if part.rounds:  # once, for the codes and for the window's residues
-                ks, vs = self.prepare(ks, vs, segs)
+                ks, vs = self.rotation.prepare(ks, vs, segs)
             encoded = part.encode(ks, vs, self.dtype)
             part.write(at, encoded)
             if part.windowed:
@@ -546,16 +553,6 @@ class Pool(Storage):
         cols = torch.arange(int(width.max()), device=segs.device)
         return segs, (start[:, None] + cols).masked_fill_(cols >= width[:, None], -1)
 
-    def relink(self):
-        """After slots moved: each window entry pointed at its token's new slot or, if gone, at
-        its row's first slot, which cannot hold its position, so the entry reads nothing."""
-        for part in (p for p in self.parts if p.windowed):
-            _, slots = self.rows_of(part)
-            held = self.pos.view(-1)[slots.clamp(min=0)].masked_fill(slots < 0, -1)  # (n, C)
-            pos = part.window_pos
-            match = (held[:, None] == pos[..., None]) & (pos[..., None] >= 0)  # (n, WINDOW, C)
-            part.window_slot.copy_(slots.gather(1, match.int().argmax(-1)))  # slot 0 if none
-
     # --- Between steps -----------------------------------------------------------
     def next_slot(self, n: int = 1):
         """Point a step at each segment's next free slot (`dest`), or a chunk at n (`taken`)."""
@@ -571,93 +568,13 @@ class Pool(Storage):
         """Free slots handed out that no step has taken yet, per segment."""
         return self.free.shape[1] - self.cursor.at
 
-    def grow(self, counts: list[int], need: int, remaining: int) -> bool:
-        """Widen the groups where a segment has fewer than `need` free slots (`counts`),
-        `remaining` tokens before the planned end; whether any grew."""
-        E, P = self.evict_every, self.page
-        grow = {}
-        for i, g in enumerate(self.groups):
-            least = min(counts[s] for s in g.rows)
-            if least < need:
-                # What the budget charged the policy for the rest (a quarter more at most)
-                # and a round more: a group of Full heads grows once, not every other round.
-                planned = min(math.ceil(g.growth * max(remaining, 0)), g.pages * P // 4)
-                grow[i] = -(-(max(need, planned) + E - least) // P)
-        if grow:
-            self.widen(grow)
-        return bool(grow)
-
-    def groups_of(self, part: Part) -> list[Group]:
-        return [g for g in self.groups if g.bits == part.bits]
-
-    def reshape(self, per_group):
-        """Every tensor of the pool, remade group by group: `per_group(t, g, base, empty, keys)`
-        gives group g's block of t anew: a field, or a part's K or V whose first page is `base`
-        (`keys`: K as (N, D, P) pages)."""
-        new = {name: torch.cat([per_group(getattr(self, name), g, 0, empty, False)
-                                for g in self.groups]) for name, empty in self.fields.items()}
-        parts = [[torch.cat([per_group(t, g, part.first, 0, name == "k" and not part.rounds)
-                             for g in self.groups_of(part)])
-                  for name, t in zip(part.names, part.tensors())] for part in self.parts]
-        return new, parts
-
-    def replace(self, new, parts):
-        for name, t in new.items():
-            setattr(self, name, t)
-        for part, ts in zip(self.parts, parts):
-            for name, t in zip(part.names, ts):
-                setattr(part, name, t)
-        self.place()
-        self.relink()
-        self.mark_dynamic()
-
-    def widen(self, grow: dict[int, int]):
-        """Add `grow[i]` empty pages to each segment of group i."""
-        def padded(t, g, base, empty, keys):
-            extra = grow.get(self.groups.index(g), 0)
-            block = t[g.first - base:g.first - base + len(g.rows) * g.pages]
-            block = block.reshape(len(g.rows), g.pages, *block.shape[1:])
-            pad = block.new_full((len(g.rows), extra, *block.shape[2:]), empty)
-            return torch.cat([block, pad], 1).flatten(0, 1)
-
-        new, parts = self.reshape(padded)
-        for i, extra in grow.items():
-            self.groups[i].pages += extra
-        self.n_growths += len(grow)
-        self.replace(new, parts)
-
-    def compact(self, room: int):
-        """After a chunk's eviction: tokens to their rows' fronts, groups cut to their fullest
-        segment's pages plus `room`, giving back what the chunk took and its policies let go."""
-        P = self.page
-        held = [g.block(self.pos) >= 0 for g in self.groups]  # (n, C) each
-        most = torch.stack([h.sum(1).max() for h in held]).tolist()  # one host sync
-        pages = [min(g.pages, -(-(m + room) // P)) for g, m in zip(self.groups, most)]
-        if pages == [g.pages for g in self.groups]:
-            return
-        orders = {id(g): (~h).byte().argsort(dim=1, stable=True)[:, :n * P]  # held slots first
-                  for g, h, n in zip(self.groups, held, pages)}
-
-        def gathered(t, g, base, empty, keys):
-            t = g.block(t.transpose(1, 2) if keys else t, base)  # (n, C, ...)
-            order = orders[id(g)]
-            at = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
-            rows = t.gather(1, at).flatten(0, 1)  # (n * n_pages * P, ...)
-            rows = rows.view(-1, P, *rows.shape[1:])
-            return rows.transpose(1, 2).contiguous() if keys else rows
-
-        new, parts = self.reshape(gathered)
-        for g, n in zip(self.groups, pages):
-            g.pages = n
-        self.replace(new, parts)
-
     # --- What the pool holds -----------------------------------------------------
     STATE = ("owner", "start", "width", "dest", "free")
 
     def nbytes(self) -> int:
         own = [getattr(self, name) for name in (*self.fields, *self.STATE)]
-        if self.rounds_keys:
-            own += [self.key_factors, self.rotated]
+        if self.rotation is not None:
+            own += [self.rotation.key_factors, self.rotation.rotated]
         return sum(t.nbytes for t in own) + sum(t.nbytes for t in self.parts.buffers())
 
     def kept(self) -> int:
@@ -739,6 +656,105 @@ def evict(pools: list[Pool], by, M: int, names: list[str], columns: dict, keeps)
             getattr(p, name).view(-1).copy_(t)
 
 
+# --- Growth: a pool remade group by group ---------------------------------------
+
+def grow(p: Pool, counts: list[int], need: int, remaining: int) -> bool:
+    """Widen the groups where a segment has fewer than `need` free slots (`counts`),
+    `remaining` tokens before the planned end; whether any grew."""
+    E, P = p.evict_every, p.page
+    extra = {}
+    for i, g in enumerate(p.groups):
+        least = min(counts[s] for s in g.rows)
+        if least < need:
+            # What the budget charged the policy for the rest (a quarter more at most)
+            # and a round more: a group of Full heads grows once, not every other round.
+            planned = min(math.ceil(g.growth * max(remaining, 0)), g.pages * P // 4)
+            extra[i] = -(-(max(need, planned) + E - least) // P)
+    if extra:
+        widen(p, extra)
+    return bool(extra)
+
+
+def groups_of(p: Pool, part: Part) -> list[Group]:
+    return [g for g in p.groups if g.bits == part.bits]
+
+
+def remade(p: Pool, per_group):
+    """Every tensor of the pool, remade group by group: `per_group(t, g, base, empty, keys)`
+    gives group g's block of t anew: a field, or a part's K or V whose first page is `base`
+    (`keys`: K as (N, D, P) pages)."""
+    new = {name: torch.cat([per_group(getattr(p, name), g, 0, empty, False)
+                            for g in p.groups]) for name, empty in p.fields.items()}
+    parts = [[torch.cat([per_group(t, g, part.first, 0, name == "k" and not part.rounds)
+                         for g in groups_of(p, part)])
+              for name, t in zip(part.names, part.tensors())] for part in p.parts]
+    return new, parts
+
+
+def replace(p: Pool, new, parts):
+    for name, t in new.items():
+        setattr(p, name, t)
+    for part, ts in zip(p.parts, parts):
+        for name, t in zip(part.names, ts):
+            setattr(part, name, t)
+    p.place()
+    relink(p)
+    p.mark_dynamic()
+
+
+def relink(p: Pool):
+    """After slots moved: each window entry pointed at its token's new slot or, if gone, at
+    its row's first slot, which cannot hold its position, so the entry reads nothing."""
+    for part in (p for p in p.parts if p.windowed):
+        _, slots = p.rows_of(part)
+        held = p.pos.view(-1)[slots.clamp(min=0)].masked_fill(slots < 0, -1)  # (n, C)
+        pos = part.window_pos
+        match = (held[:, None] == pos[..., None]) & (pos[..., None] >= 0)  # (n, WINDOW, C)
+        part.window_slot.copy_(slots.gather(1, match.int().argmax(-1)))  # slot 0 if none
+
+
+def widen(p: Pool, extra: dict[int, int]):
+    """Add `extra[i]` empty pages to each segment of group i."""
+    def padded(t, g, base, empty, keys):
+        n = extra.get(p.groups.index(g), 0)
+        block = t[g.first - base:g.first - base + len(g.rows) * g.pages]
+        block = block.reshape(len(g.rows), g.pages, *block.shape[1:])
+        pad = block.new_full((len(g.rows), n, *block.shape[2:]), empty)
+        return torch.cat([block, pad], 1).flatten(0, 1)
+
+    new, parts = remade(p, padded)
+    for i, n in extra.items():
+        p.groups[i].pages += n
+    p.n_growths += len(extra)
+    replace(p, new, parts)
+
+
+def compact(p: Pool, room: int):
+    """After a chunk's eviction: tokens to their rows' fronts, groups cut to their fullest
+    segment's pages plus `room`, giving back what the chunk took and its policies let go."""
+    P = p.page
+    held = [g.block(p.pos) >= 0 for g in p.groups]  # (n, C) each
+    most = torch.stack([h.sum(1).max() for h in held]).tolist()  # one host sync
+    pages = [min(g.pages, -(-(m + room) // P)) for g, m in zip(p.groups, most)]
+    if pages == [g.pages for g in p.groups]:
+        return
+    orders = {id(g): (~h).byte().argsort(dim=1, stable=True)[:, :n * P]  # held slots first
+              for g, h, n in zip(p.groups, held, pages)}
+
+    def gathered(t, g, base, empty, keys):
+        t = g.block(t.transpose(1, 2) if keys else t, base)  # (n, C, ...)
+        order = orders[id(g)]
+        at = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
+        rows = t.gather(1, at).flatten(0, 1)  # (n * n_pages * P, ...)
+        rows = rows.view(-1, P, *rows.shape[1:])
+        return rows.transpose(1, 2).contiguous() if keys else rows
+
+    new, parts = remade(p, gathered)
+    for g, n in zip(p.groups, pages):
+        g.pages = n
+    replace(p, new, parts)
+
+
 def hand_out(pools: list[Pool], needs: list[int], remaining: list[int]):
     """Give each segment its pool's `needs` next free slots; groups with fewer grow
     (`remaining`: tokens before each pool's planned end). One host sync per need."""
@@ -762,7 +778,7 @@ def _hand_out(pools: list[Pool], need: int, remaining: list[int]):
     width = torch.cat([p.width for p in pools])
     counts = (running[start + width - 1] - before).tolist()
     bounds = list(itertools.accumulate(segments, initial=0))
-    if any([p.grow(counts[i:j], need, left)
+    if any([grow(p, counts[i:j], need, left)
             for p, i, j, left in zip(pools, bounds, bounds[1:], remaining)]):
         running, before, start, offsets = running_free()  # the grown pools moved
     # Segment s's j-th free slot is where the running count reaches its count before, plus j + 1.

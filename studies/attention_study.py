@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import generation as gen_
+from cache import scored_prompt
 from model import KVCache, attend, reserve
 from policies import Slots, shortlist, token_flags
 from pool import group_pages, page_size
@@ -156,7 +157,7 @@ def variant_recoveries(cache, q, k, tokens, rows, sink: bool) -> torch.Tensor:
     without `sink`, left out of what is recovered and of what is read (every
     shortlist policy keeps that token)."""
     sums = attention_sums(q, k, cache.prompt_lens, local_ratios(cache.policies), rows)
-    _, r = cache.from_sums(sums, tokens)
+    _, r = scored_prompt(cache, sums, tokens)
     if sink:
         return r
     first, read = sums.colsum[:, :1], sums.rows[:, None]

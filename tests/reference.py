@@ -15,13 +15,13 @@ programming over the total cost past BRUTE_FORCE assignments).
 
 What it does not re-derive, it takes from the cache under test, and says so:
 - near-ties: which of tokens scored within TIE a policy keeps is the cache's
-  choice (its ranking: `FastGenCache.from_sums` over `profiling.attention_sums`,
+  choice (its ranking: `cache.scored_prompt` over `profiling.attention_sums`,
   `profiling.local_ratios` and `profiling.weigh` at prefill, the cache's
   `Slots.keeps` when a chunk chooses again);
   so is a policy whose recovery is within rounding of the threshold, and an
   assignment whose value ties the optimum within VALUE_TIE a head;
 - what a precision costs: `cache.errors` (profiling.precision_errors) off the
-  recoveries, and the bytes a token and a window take (`FastGenCache.token_bytes`);
+  recoveries, and the bytes a token and a window take (`cache.token_costs`);
   both are tested apart (test_quant.py);
 - each rounding segment's window width, the default eviction period, and
   rounding itself (quant.py), tested apart.
@@ -47,7 +47,7 @@ import torch
 import pool
 import profiling
 import quant
-from cache import COPY_BITS, FastGenCache
+from cache import COPY_BITS, FastGenCache, scored_prompt, token_costs
 from model import Cache
 from policies import (PUNCT, SPECIAL, TOVA, Frequent, Full, Local, Punct, Sink, SnapKV, Special,
                       Union)
@@ -735,7 +735,7 @@ class CheckedCache(Cache):
             # reference breaks its near-ties (float32 against float64) the same way.
             c, m = self.cache, self.cache.method
             sums = attention_sums(q, k, c.prompt_lens, local_ratios(c.policies), m.rows)
-            prompt, _ = c.from_sums(weigh(sums, v) if m.weigh_values else sums, tokens)
+            prompt, _ = scored_prompt(c, weigh(sums, v) if m.weigh_values else sums, tokens)
             keeps = [prompt.keeps(p) for p in c.policies]
             kept = [[set(prompt.pos[s][keep[s]].tolist()) for keep in keeps]
                     for s in range(len(prompt.pos))]
@@ -754,7 +754,7 @@ class CheckedCache(Cache):
             self.ref.evict_every = self.cache.evict_every  # the default is set at prefill
             state.prompt_kept = kept
             if self.cache.bits is not None:  # bytes a token, a window, a full cache's token
-                unit, window, full = self.cache.token_bytes()
+                unit, window, full = token_costs(self.cache)
                 self.ref.units = unit.tolist(), window.tolist(), full
             # A precision's error (profiling.precision_errors, tested apart) comes off the recovery.
             errors = 0 if self.cache.errors is None else self.cache.errors.double()

@@ -7,7 +7,7 @@ import torch
 
 import cache
 import pool
-from cache import FastGenCache, Method, fastgen_caches
+from cache import FastGenCache, Method, fastgen_caches, scored_prompt
 from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
 from model import KVCache, ModelArgs, Transformer, reserve
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
@@ -790,7 +790,7 @@ def test_a_cache_weighs_values_as_profiling_says(same_norms):
         return c
     plain, weighed = build(False), build(True)
     sums = attention_sums(q, k, lens, local_ratios(menu()), 6)
-    _, want = plain.from_sums(weigh(sums, v), tokens)
+    _, want = scored_prompt(plain, weigh(sums, v), tokens)
     torch.testing.assert_close(weighed.recovery, want, atol=1e-5, rtol=0)
     if same_norms:
         torch.testing.assert_close(weighed.recovery, plain.recovery, atol=1e-5, rtol=0)

@@ -12,7 +12,7 @@ import cache as cache_module
 import pool
 import profiling
 import quant
-from cache import Method, fastgen_caches
+from cache import Method, fastgen_caches, token_costs
 from generation import CacheOptions, generate, make_caches
 from model import reserve
 from policies import Frequent, Full, Local, Special, baseline
@@ -336,7 +336,7 @@ def test_a_cache_that_keeps_all_keeps_no_score_or_flags():
         assert set(p.fields) == {"pos"} and [part.bits for part in p.parts] == [4]
         held = sum(t.nbytes for t in (p.pos, *p.parts[0].tensors()))
         assert held == p.size * (token_bytes(4, 64) + pool.slot_bytes(False, ranks=False))
-        assert c.token_bytes()[0].tolist() == [token_bytes(4, 64) + 4]  # what the budget pays
+        assert token_costs(c)[0].tolist() == [token_bytes(4, 64) + 4]  # what the budget pays
 
 
 def test_full_share_is_counted_against_16_bits():
