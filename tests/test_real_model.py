@@ -70,3 +70,24 @@ def test_fastgen_saves_memory_and_keeps_greedy_tokens(real):
           "identical first 16 greedy tokens")
     assert fast.kv_bytes <= 0.8 * full.kv_bytes
     assert agree >= 0.85
+
+
+@pytest.mark.parametrize("name, options", [
+    ("full", CacheOptions("full")),
+    ("fastgen 0.5", CacheOptions("fastgen", kv_budget=0.5)),
+    ("16/8/4 at 0.25", CacheOptions("fastgen", kv_budget=0.25, kv_bits=(16, 8, 4))),
+    ("ask-after 0.25", CacheOptions("fastgen", kv_budget=0.25, ask_after=True)),
+    ("chunks of 256", CacheOptions("fastgen", kv_budget=0.5, prefill_chunk=256))])
+def test_transformers_llama_under_our_caches_is_our_llama(real, name, options):
+    """The default model's folder, loaded by transformers (hf.py): the same greedy tokens, plans,
+    kept tokens and bytes as our Llama, 4 prompts of about 1,000 tokens, 64 new tokens."""
+    pytest.importorskip("transformers")
+    import hf
+    ckpt, model, tok = real
+    theirs, _ = hf.load(str(ckpt))
+    prompts = long_prompts(tok)[:4]
+    flags = token_flags(model.args.vocab_size, tok.special_ids, tok.punctuation_ids())
+    a = generate(model, prompts, 64, cache=options, token_flags=flags)
+    b = generate(theirs, prompts, 64, cache=options, token_flags=flags)
+    assert a.tokens == b.tokens
+    assert (a.plan, a.kept_tokens, a.kv_bytes) == (b.plan, b.kept_tokens, b.kv_bytes)
