@@ -4,8 +4,7 @@ kept by our caches, each head's evicted tokens freed.
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import hf
     from generation import CacheOptions
-    model = AutoModelForCausalLM.from_pretrained(DIR, attn_implementation=hf.ATTENTION)
-    tok = AutoTokenizer.from_pretrained(DIR)
+    model, tok = AutoModelForCausalLM.from_pretrained(DIR), AutoTokenizer.from_pretrained(DIR)
     out = model.generate(ids, max_new_tokens=64, custom_generate=hf.generate,
                          kv=CacheOptions("fastgen", kv_budget=0.5), token_flags=hf.flags(tok))
 
@@ -15,12 +14,11 @@ How. transformers calls the attention function its config names (`AttentionInter
 function is registered under its name, so transformers builds no mask: the caches know every
 sequence's positions. `HFModel` gives the model model.Transformer's interface, so generation.py's
 loop (prefill in chunks, reading again, decoding) runs over it unchanged, and `generate` is that
-loop in the place of `model.generate`'s sampling.
+loop in the place of `model.generate`'s sampling, the model attending by `attention` meanwhile.
 """
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 import torch.nn as nn
@@ -116,16 +114,6 @@ class HFModel(nn.Module):
         return self.hf.lm_head(x).float()
 
 
-_wrapped = weakref.WeakKeyDictionary()  # a model of transformers -> its HFModel
-
-
-def wrap(model) -> HFModel:
-    """The model's HFModel, one per model (the heads that copy are probed once per model)."""
-    if model not in _wrapped:
-        _wrapped[model] = HFModel(model)
-    return _wrapped[model]
-
-
 def flags(tokenizer, vocab_size: int | None = None) -> torch.Tensor:
     """(V,) SPECIAL / PUNCT bits of every token id (policies.token_flags) from a tokenizer of
     transformers, by tokenizer.Tokenizer's rule: special tokens (its added tokens marked special
@@ -164,7 +152,7 @@ def generate(model, input_ids, generation_config=None,
     was = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION)
     try:
-        gen = generation.generate(wrap(model), prompts, new, cache=kv, eos_ids=eos,
+        gen = generation.generate(HFModel(model), prompts, new, cache=kv, eos_ids=eos,
                                   token_flags=token_flags, **sampling)
     finally:
         model.set_attn_implementation(was)
@@ -184,4 +172,4 @@ def load(folder: str, dtype: str = "float32", device: str = "cpu"):
     check(AutoConfig.from_pretrained(folder))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=generation.DTYPES[dtype],
                                                  attn_implementation=ATTENTION)
-    return wrap(model.to(device).eval()), Tokenizer(folder)
+    return HFModel(model.to(device).eval()), Tokenizer(folder)

@@ -3,29 +3,41 @@
     python -m studies.hf_speed --prompt-len 2048 --batch 8 --new-tokens 32 --runs 3 \
         --out results/hf/speed_2kx8
 
-Decode tokens/s of every sequence, the median of `--runs`, each row's runs in turn. transformers'
-own rows time `model.generate` with 1 new token and with N + 1 and take the difference; ours read
-generation.generate's decode timer. Prompts are windows of Python's pydoc topics.
+Tokens/s of every sequence, from the first new token to the last, the median of `--runs`, each
+row's runs in turn: transformers' `model.generate` timed by a stopping criterion that sees each
+token come, ours by generation.generate's decode timer. Prompts: Python's pydoc topics.
 """
 import argparse
 import statistics
+import sys
 import time
 
 import pydoc_data.topics
 import torch
+from transformers import StoppingCriteria
 
 import hf
 from convert_gguf import checkpoint_folder
 from generation import CacheOptions, flags_of, generate, load
+from studies.bench import machine_info
+
+
+class Clock(StoppingCriteria):
+    """Stops nothing: notes when each new token came."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(time.perf_counter())
+        return torch.zeros(len(input_ids), dtype=torch.bool)
 
 
 def hf_decode(model, ids, new: int) -> float:
-    """Decode tokens/s of model.generate with transformers' DynamicCache."""
-    def timed(n):
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return time.perf_counter() - t0
-    return len(ids) * new / (timed(new + 1) - timed(1))
+    clock = Clock()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new + 1,
+                   min_new_tokens=new + 1, do_sample=False, stopping_criteria=[clock])
+    return len(ids) * new / (clock.seen[-1] - clock.seen[0])
 
 
 def ours_decode(model, prompts, new: int, cache: CacheOptions, flags) -> float:
@@ -48,34 +60,29 @@ def main():
     theirs, _ = hf.load(str(checkpoint_folder(None)))  # the default model's folder
     text = tok.encode("\n".join(pydoc_data.topics.topics.values()))
     prompts = [text[i * a.prompt_len:(i + 1) * a.prompt_len] for i in range(a.batch)]
-    ids = torch.tensor(prompts)
-    flags = flags_of(ours, tok)
-    rows = {"transformers, DynamicCache (sdpa)": lambda: hf_decode(theirs.hf, ids, a.new_tokens)}
+    flags, new = flags_of(ours, tok), a.new_tokens
+    rows = {"transformers, DynamicCache (sdpa)": lambda: hf_decode(theirs.hf, torch.tensor(prompts),
+                                                                   new)}
     for model, who in ((theirs, "transformers"), (ours, "our Llama")):
         for cache, what in ((CacheOptions("full"), "our full cache"), (CacheOptions(
                 "fastgen", kv_budget=a.budget), f"FastGen at {a.budget}")):
-            rows[f"{who}, {what}"] = lambda m=model, c=cache: ours_decode(m, prompts, a.new_tokens,
-                                                                          c, flags)
+            rows[f"{who}, {what}"] = lambda m=model, c=cache: ours_decode(m, prompts, new, c, flags)
     speeds = {name: [] for name in rows}
     for r in range(a.runs):
         for name, run in rows.items():
-            if name.startswith("transformers, DynamicCache"):
-                theirs.hf.set_attn_implementation("sdpa")
+            theirs.hf.set_attn_implementation("sdpa" if "DynamicCache" in name else hf.ATTENTION)
             speeds[name].append(run())
-            theirs.hf.set_attn_implementation(hf.ATTENTION)
             print(f"run {r + 1}: {name}: {speeds[name][-1]:.1f} tokens/s", flush=True)
     base = statistics.median(speeds["transformers, DynamicCache (sdpa)"])
-    lines = [f"Decode, {a.batch} x {a.prompt_len} tokens, {a.new_tokens} new, eager, "
-             f"{a.threads} threads; median of {a.runs} runs.", "",
-             "| model, cache | tokens/s | runs | against DynamicCache |",
-             "| --- | --- | --- | --- |"]
+    lines = [f"`python -m studies.hf_speed {' '.join(sys.argv[1:])}`: decode, eager, median of "
+             f"{a.runs} runs. {machine_info(a.threads)}.", "",
+             "| model, cache | tokens/s | runs | against DynamicCache |", "| --- " * 4 + "|"]
     for name, s in speeds.items():
         m = statistics.median(s)
         lines.append(f"| {name} | {m:.1f} | {', '.join(f'{x:.1f}' for x in s)} | {m / base:.2f}x |")
     print("\n".join(lines))
     if a.out:
-        with open(a.out + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+        open(a.out + ".md", "w").write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
