@@ -5,13 +5,14 @@ adds after what the cache already holds is encoded and fed, so a conversation is
 twice. Every cache takes a turn in chunks of CHUNK tokens, each attending over everything
 before it. A compressed cache keeps of each chunk what its heads' policies keep
 (FastGenCache.chunk): a turn counts as read, like the first, and each chunk chooses every
-head's policy again from its last rows (with --ask-after, from the chunk read again,
-generation.read_again), so the budget holds for the whole conversation.
+head's policy again, so the budget holds for the whole conversation. It chooses for questions
+asked after (generation.read_again), as later turns ask about earlier ones, unless the options
+say `ask_after=False` (`--no-ask-after`), or the cache runs the paper's method.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -77,6 +78,8 @@ class Chat:
                  compile=False, token_flags=None, sampling=None):
         # The dense cache grows by CHUNK; a full cache in 8 bits or fewer is a compressed one's pool.
         self.full = cache.kv == "full" and cache.kv_bits in (None, (16,))
+        if cache.ask_after is None:  # every turn asks after the ones before
+            cache = replace(cache, ask_after=cache.kv != "full" and not cache.paper)
         self.model, self.tok, self.cache = model, tok, cache
         self.max_new_tokens, self.compile = max_new_tokens, compile
         self.token_flags, self.sampling = token_flags, sampling or {}

@@ -325,11 +325,11 @@ def parse_args(argv=None):
                    help="fastgen: the paper's method, its shortlist under a threshold")
     p.add_argument("--recovery", type=float,
                    help="with --paper: the threshold T of attention recovered (default 0.95)")
-    p.add_argument("--ask-after", action="store_true",
+    p.add_argument("--ask-after", action=argparse.BooleanOptionalAction,
                    help="compressed caches: keep what questions asked after the prompt need "
                         "(a chat's next turn, one cache for many questions), found by reading "
                         "the prompt again, besides what its end asks: about 2.5x the prefill "
-                        "(default: what the prompt's end asks alone)")
+                        "(default: on for --interactive, except with --paper; off for prompts)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="read each prompt in pieces of N tokens (peak memory follows the cache)")
     p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]",

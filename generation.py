@@ -188,9 +188,10 @@ class CacheOptions:
         at each (its budget a share of a 16-bit cache's bytes)
     prefill_chunk : int, optional
         read prompts in pieces of this many tokens
-    ask_after : bool, default False
+    ask_after : bool, optional
         compressed caches: choose what to keep for questions asked after the
-        prompt, by reading it again (cache.Method.ask_after), not by its last rows
+        prompt, by reading it again (cache.Method.ask_after), not by its last rows;
+        None: a chat's do (chat.Chat: later turns ask about earlier ones), a prompt's not
     """
     kv: str = "full"
     _: KW_ONLY
@@ -199,7 +200,7 @@ class CacheOptions:
     recovery: float | None = None
     kv_bits: tuple[int, ...] | None = None
     prefill_chunk: int | None = None
-    ask_after: bool = False
+    ask_after: bool | None = None
 
     def check(self):
         """Raise ValueError, naming the flag and what it accepts, for an option out of range."""
@@ -248,9 +249,9 @@ def make_caches(model: Transformer, options: CacheOptions, prompt_lens: list[int
     if o.kv == "fastgen" and o.paper:
         method = paper_method(0.95 if o.recovery is None else o.recovery, o.kv_bits)
     elif o.kv == "fastgen":
-        method = default_method(budget, o.kv_bits, ask_after=o.ask_after)
+        method = default_method(budget, o.kv_bits, ask_after=bool(o.ask_after))
     else:
-        method = fixed_method(o.kv, budget, o.kv_bits, ask_after=o.ask_after)
+        method = fixed_method(o.kv, budget, o.kv_bits, ask_after=bool(o.ask_after))
     # Tensor parallel: a budget spans every rank's heads, which share their tables.
     heads = tp.Heads(len(prompt_lens)) if tp.world() > 1 and method.kv_budget else None
     page = None

@@ -7,9 +7,9 @@ Each case is a three-turn chat (chat.Chat, the cache kept across turns): a
 greeting; then the user pastes a document of `--length` tokens of real text
 with needles hidden in it (longctx's niah_single and niah_multikey, in turn);
 then asks for one needle's number. The cache compresses each turn when it is
-read, before the question exists. Caches: the full cache, the default FastGen
-at `--budget`, and the same with `--ask-after`. A case scores the share of
-the required strings in the third answer (longctx's `answer_score`).
+read, before the question exists. Caches: the full cache, FastGen at `--budget`
+as a chat runs it (reading each turn again), and without that reading. A case
+scores the share of the required strings in the third answer (`answer_score`).
 
 Writes `--out`.json and prints a table.
 """
@@ -30,8 +30,8 @@ from studies import output
 from studies.evaluate import machine
 from studies.longctx import Haystack, answer_score, make_cases
 
-CACHES = {"full": dict(kv="full"), "fastgen": dict(kv="fastgen"),
-          "fastgen --ask-after": dict(kv="fastgen", ask_after=True)}
+CACHES = {"full": dict(kv="full"), "fastgen": dict(kv="fastgen"),  # a chat reads again by default
+          "fastgen --no-ask-after": dict(kv="fastgen", ask_after=False)}
 
 
 @torch.no_grad()
@@ -57,12 +57,13 @@ def main(argv=None):
                    help="caches to run (default all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text", default="news", help="the haystack: news, usenet or pydoc")
     p.add_argument("--out", default="results/chat_recall/chat_recall")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok = load(a.ckpt)
     flags = flags_of(model, tok)
-    hay = Haystack(tok, "news")
+    hay = Haystack(tok, a.text)
     cases = [c for i, task in enumerate(("niah_single", "niah_multikey"))
              for c in make_cases(tok, hay, task, a.length, (a.cases + 1 - i) // 2, a.seed)]
     random.Random(a.seed).shuffle(cases)

@@ -71,6 +71,27 @@ def test_turns_read_again_hold_nothing_of_it(tiny_ckpt, monkeypatch):
         assert a.fed == b.fed and a.tokens == b.tokens and b.kept_tokens == b.seen_tokens
 
 
+@pytest.mark.parametrize("kv, options, reads", [
+    ("fastgen", {}, True), ("h2o", {}, True), ("fastgen", dict(ask_after=False), False),
+    ("fastgen", dict(paper=True), False), ("full", {}, False)])
+def test_a_chat_reads_its_turns_for_questions_asked_after_by_default(tiny_ckpt, kv, options,
+                                                                      reads):
+    """Later turns ask about earlier ones: a compressed chat reads each turn again unless told
+    not to (--no-ask-after) or running the paper's method; a one-shot prompt does not."""
+    session = chat(tiny_ckpt, kv, **options)
+    session.turn("The quick brown fox jumps over the lazy dog. " * 3)
+    caches = session.model.caches()
+    assert bool(getattr(caches[0], "method", None) and caches[0].method.ask_after) == reads
+    model, tok = load(str(tiny_ckpt))
+    one_shot = generation.make_caches(model, CacheOptions(kv, **options), [20], 4)
+    assert not getattr(one_shot[0], "method", None) or not one_shot[0].method.ask_after
+
+
+def test_no_ask_after_flag_turns_the_chat_reading_off():
+    assert generate.parse_args(["--interactive", "--no-ask-after"]).ask_after is False
+    assert generate.parse_args(["--interactive"]).ask_after is None
+
+
 def test_compressed_cache_holds_less_and_keeps_its_plan(tiny_ckpt):
     session = chat(tiny_ckpt, "h2o", kv_budget=0.5)
     first = session.turn("The quick brown fox jumps over the lazy dog. " * 3)
