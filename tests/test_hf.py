@@ -132,7 +132,8 @@ def test_flags_from_a_tokenizer_of_transformers(tiny_ckpt):
 
 def test_models_it_cannot_run_say_why():
     import transformers as t
-    gpt2 = t.GPT2LMHeadModel(t.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    gpt2 = t.GPT2LMHeadModel(t.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                          bos_token_id=0, eos_token_id=0))
     with pytest.raises(hf.UnsupportedModel, match="model_type 'gpt2' is not supported"):
         hf.HFModel(gpt2)
     sliding = tiny("mistral", sliding_window=16)
@@ -161,13 +162,29 @@ def test_cli_runs_a_folder_through_transformers(tiny_ckpt):
     assert run.stdout.splitlines()[0] == ours.stdout.splitlines()[0]
 
 
-def test_cli_refuses_a_model_it_cannot_run(tmp_path):
+def gpt2_folder(path):
     import transformers as t
-    tiny("mistral", sliding_window=16).save_pretrained(tmp_path)
-    run = subprocess.run([sys.executable, "generate.py", "--hf", str(tmp_path), "--prompt", "Hi"],
+    config = t.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0,
+                          eos_token_id=0)
+    t.GPT2LMHeadModel(config).save_pretrained(path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("sliding", "this mistral model attends over a sliding window of 16 tokens, which FastGen's "
+                "caches do not implement"),
+    ("gpt2", "model_type 'gpt2' is not supported: FastGen runs Llama, Qwen2 and Mistral models "
+             "of transformers"),
+    ("no transformers", "hf.py runs models of transformers, which is not installed: "
+                        "pip install -r requirements-hf.txt")])
+def test_cli_refuses_what_it_cannot_run_in_one_line(tmp_path, tiny_ckpt, case, message):
+    folder = tiny_ckpt if case == "no transformers" else tmp_path
+    if case == "sliding":
+        tiny("mistral", sliding_window=16).save_pretrained(folder)
+    elif case == "gpt2":
+        gpt2_folder(folder)
+    hide = "sys.modules['transformers'] = None; " if case == "no transformers" else ""
+    code = f"import sys; {hide}import generate; sys.exit(generate.cli(sys.argv[1:]))"
+    run = subprocess.run([sys.executable, "-c", code, "--hf", str(folder), "--prompt", "Hi"],
                          cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2
-    assert run.stderr.strip().splitlines() == [
-        "error: this mistral model attends over a sliding window of 16 tokens, which FastGen's "
-        "caches do not implement"]
-    del t
+    assert run.stderr.strip().splitlines() == [f"error: {message}"]
