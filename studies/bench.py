@@ -216,8 +216,9 @@ def cache_options(spec: str) -> CacheOptions:
     spec, ask, _ = spec.partition("+ask")
     spec, _, budget = spec.partition(":")
     kind, _, bits = spec.partition("@")
-    return CacheOptions(kind, kv_budget=float(budget) if budget else None, ask_after=bool(ask),
-                        kv_bits=tuple(int(b) for b in bits.split("/")) if bits else None)
+    return CacheOptions(kind, kv_budget=float(budget) if budget else None,
+                        kv_bits=tuple(int(b) for b in bits.split("/")) if bits else None,
+                        ask_after=True if ask else None)
 
 
 def time_ours(model, prompts, new_tokens, cache: CacheOptions, compile, flags,
