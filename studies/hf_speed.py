@@ -22,7 +22,7 @@ from generation import CacheOptions, flags_of, generate, load
 from studies.bench import machine_info
 
 
-class Clock(StoppingCriteria):
+class Stamps(StoppingCriteria):
     """Stops nothing: notes when each new token came."""
 
     def __init__(self):
@@ -34,7 +34,7 @@ class Clock(StoppingCriteria):
 
 
 def hf_decode(model, ids, new: int) -> float:
-    clock = Clock()
+    clock = Stamps()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new + 1,
                    min_new_tokens=new + 1, do_sample=False, stopping_criteria=[clock])
     return len(ids) * new / (clock.seen[-1] - clock.seen[0])
