@@ -7,7 +7,8 @@ Each case is a three-turn chat (chat.Chat, the cache kept across turns): a
 greeting; then the user pastes a document of `--length` tokens of real text
 with needles hidden in it (longctx's niah_single and niah_multikey, in turn);
 then asks for one needle's number. The cache compresses each turn when it is
-read, before the question exists. Caches: the full cache, FastGen at `--budget`
+read, before the question exists; the pasted turn's speed (the median
+over cases of its tokens over its time, compressing included) is reported. Caches: the full cache, FastGen at `--budget`
 as a chat runs it (reading each turn again), and without that reading. A case
 scores the share of the required strings in the third answer (`answer_score`).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -39,11 +41,12 @@ def conversation(model, tok, flags, options: CacheOptions, case, new_tokens: int
     """The three turns of one case; the third answer, its score, and the bytes at the end."""
     chat = Chat(model, tok, cache=options, max_new_tokens=new_tokens, token_flags=flags)
     chat.turn("Hello! I will paste a document, then ask you about it.")
-    chat.turn(tok.decode(case.context[1:]))  # the document, without BOS
+    pasted = chat.turn(tok.decode(case.context[1:]))  # the document, without BOS
     question = tok.decode(case.question).split("<|im_end|>")[0].strip()
     last = chat.turn(question)
     return dict(answer=last.text, score=answer_score(last.text, case.answers),
-                kv_bytes=last.kv_bytes, full_kv_bytes=last.full_kv_bytes)
+                kv_bytes=last.kv_bytes, full_kv_bytes=last.full_kv_bytes,
+                paste_tokens=len(pasted.fed), paste_s=pasted.prefill_s)
 
 
 def main(argv=None):
@@ -75,9 +78,11 @@ def main(argv=None):
                 for c in tqdm(cases, desc=name, leave=False)]
         rows[name] = dict(score=sum(r["score"] for r in runs) / len(runs),
                           share=sum(r["kv_bytes"] for r in runs) / sum(
-                              r["full_kv_bytes"] for r in runs), runs=runs)
-        print(f"{name:22s} score {rows[name]['score']:.3f}  share {rows[name]['share']:.3f}",
-              flush=True)
+                              r["full_kv_bytes"] for r in runs),
+                          paste_tps=statistics.median(r["paste_tokens"] / r["paste_s"]
+                                                      for r in runs), runs=runs)
+        print(f"{name:22s} score {rows[name]['score']:.3f}  share {rows[name]['share']:.3f}  "
+              f"pasted turn {rows[name]['paste_tps']:.0f} tokens/s", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     output(out, ".json").write_text(json.dumps(dict(
