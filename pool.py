@@ -178,6 +178,33 @@ def paged_attention(q, k, v, empty, owner, window=None):
     return y.to(v.dtype), probs.mean(1)
 
 
+def chunk_attention(q, k, v, pos, at, valid, latest, observe: int = 0):
+    """T queries a segment over the slots it holds, each up to its own position, CHUNK_ROWS
+    rows at a time (a chunk's scores would outweigh the cache).
+
+    q: (n, G, T, D) at positions at (n, T); k, v: (n, C, D) and pos (n, C) a group's slots;
+    valid (n, T): the queries that are not padding; latest (n, T): each segment's last valid
+    one. Returns the output (n, G, T, D) and, averaged over the G query heads, the attention
+    each slot got from the valid queries and from the latest, (n, C) each, and from the last
+    `observe` rows, (n, observe, C)."""
+    n, G, T, D = q.shape
+    y, got, last, seen = torch.empty_like(q), 0, 0, []
+    padded = not bool(valid.all())  # a padding query may see no slot: its softmax is NaN
+    for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
+        sees = (pos[:, None] >= 0) & (pos[:, None] <= at[:, rows, None])  # (n, t, C)
+        scores = (q[:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
+        probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1)
+        if padded:
+            probs.nan_to_num_(0.0)
+        y[:, :, rows] = probs.to(v.dtype) @ v[:, None]
+        probs = probs.mean(1)  # (n, t, C)
+        got = got + (probs * valid[:, rows, None]).sum(1)
+        last = last + (probs * latest[:, rows, None]).sum(1)
+        if observe and rows[-1] >= T - observe:
+            seen.append(probs[:, (rows >= T - observe).nonzero()[:, 0]])
+    return y, got, last, torch.cat(seen, 1) if observe else None
+
+
 
 class Storage(nn.Module, abc.ABC):
     """What the method asks of the storage beneath it, one layer's (cache.py calls nothing
@@ -256,13 +283,19 @@ class Part(nn.Module):
                 dest = getattr(self, name)
                 dest.view(-1, dest.shape[-1]).index_copy_(0, at, t.view(-1, dest.shape[-1]))
 
-    def read(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (n, D, P) and V (n, P, D) in `dtype`, without the window's residues."""
+    def read(self, dtype, pos=None, P: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (n, D, P) and V (n, P, D) in `dtype`; given the pool's positions pos (N * P,) and
+        page size P, with the window's residues added."""
         if not self.rounds:
             return self.k.to(dtype), self.v.to(dtype)
         codes = self.tensors()
         k = dequantize(*codes[:3], self.bits, dtype)
-        return k.transpose(1, 2), dequantize(*codes[3:], self.bits, dtype)
+        v = dequantize(*codes[3:], self.bits, dtype)
+        if pos is not None and self.windowed:
+            at, *residues = self.residues(pos, self.first * P, dtype)
+            for x, r in zip((k, v), residues):
+                x.view(-1, x.shape[-1]).index_add_(0, at, r)
+        return k.transpose(1, 2), v
 
     # --- The window: what each segment's newest tokens' codes miss ---------------------
     def open_window(self, n: int, width: int, D: int, device):
@@ -276,6 +309,16 @@ class Part(nn.Module):
                                                       device=device), persistent=False)
         self.register_buffer("window_slot", torch.zeros(n, width, dtype=torch.long,
                                                         device=device), persistent=False)
+
+    def start_window(self, segs, slots, pos, k, v, width: int, P: int):
+        """The window at prefill, of the newest tokens kept of the prompt: segments segs (n,)
+        hold slots (n, C), -1 none; pos (N * P,) the pool's positions; k, v the part's rows,
+        `prepare`d; at most `width` entries, no wider than a segment's row."""
+        self.open_window(len(segs), min(width, slots.shape[1]), k.shape[-1], k.device)
+        at = slots.clamp(min=0)
+        mine = (at - self.first * P).clamp(min=0)  # the part's own slots
+        codes = [t.flatten(0, 1)[mine] for t in self.tensors()]
+        self.remember(k[mine], v[mine], pos[at].masked_fill(slots < 0, -1), at, codes)
 
     def window(self) -> list[torch.Tensor]:
         return [self.window_k, self.window_v, self.window_pos, self.window_slot]
@@ -420,32 +463,15 @@ class Pool(Storage):
             if part.rounds:
                 ks, vs = self.rotation.prepare(ks, vs, slot_seg[at])
             part.store(part.encode(ks, vs, self.dtype), P)
-            if part.windowed:  # the window starts with the newest tokens kept of the prompt
-                segs, slots = self.rows_of(part)
-                width = min(self.window_size, slots.shape[1])  # no wider than a segment's row
-                part.open_window(len(segs), width, D, k.device)
-                at = slots.clamp(min=0)
-                pos = self.pos.view(-1)[at].masked_fill(slots < 0, -1)
-                mine = (at - part.first * P).clamp(min=0)  # the part's own slots
-                codes = [t.flatten(0, 1)[mine] for t in part.tensors()]
-                part.remember(ks[mine], vs[mine], pos, at, codes)
+            if part.windowed:
+                part.start_window(*self.rows_of(part), self.pos.view(-1), ks, vs,
+                                  self.window_size, P)
         self.mark_dynamic()
 
     def kv_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (N, D, P) and V (N, P, D) of every part, in the model's dtype, as stored (a rounding
         part's read by queries, and giving outputs, `turned`), its window's residues added."""
-        ks, vs = [], []
-        for part in self.parts:
-            k, v = part.read(self.dtype)
-            if part.windowed:
-                at, *residues = part.residues(self.pos.view(-1), part.first * self.page,
-                                              self.dtype)
-                k = k.transpose(1, 2).contiguous()
-                for x, r in zip((k, v), residues):
-                    x.view(-1, x.shape[-1]).index_add_(0, at, r)
-                k = k.transpose(1, 2)
-            ks.append(k)
-            vs.append(v)
+        ks, vs = zip(*(part.read(self.dtype, self.pos.view(-1), self.page) for part in self.parts))
         return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
 
     def turned(self, x, power: int = 0):
@@ -509,40 +535,24 @@ class Pool(Storage):
     def attend_chunk(self, q, at, valid, observe: int = 0):
         """T queries a segment, q (S, G, T, D) at positions at (S, T), each over its segment's
         slots up to its position (the chunk's keys are written already): the output
-        (S, G, T, D). Scores gain the valid queries' attention, `last` the latest's. A group and
-        CHUNK_ROWS queries at a time: a chunk's scores would outweigh the cache.
-        `self.observed`: each group's last `observe` rows, (n, observe, C), averaged over G."""
-        S, G, T, D = q.shape
-        q, y = self.turned(q, 1), q.new_empty(q.shape)
-        self.observed = []
+        (S, G, T, D), a group at a time (`chunk_attention`). Scores gain the valid queries'
+        attention, `last` the latest's. `self.observed`: each group's last `observe` rows."""
+        q, y, self.observed = self.turned(q, 1), q.new_empty(q.shape), []
         keys, values = self.kv_pages()
         keys = keys.transpose(1, 2)  # (N, P, D)
         latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
-        padded = not bool(valid.all())  # a padding query may see no slot: its softmax is NaN
         for g in self.groups:
             seg = g.seg.to(q.device)
-            k, v, pos = g.block(keys), g.block(values), g.block(self.pos)  # (n, C, D), (n, C)
-            qs, ats, ok, newest = q[seg], at[seg], valid[seg], latest[seg]  # this group's rows
-            got, last, seen = 0, 0, []
-            for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
-                sees = (pos[:, None] >= 0) & (pos[:, None] <= ats[:, rows, None])  # (n, t, C)
-                scores = (qs[:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
-                probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1)
-                if padded:
-                    probs.nan_to_num_(0.0)
-                y[seg[:, None], :, rows] = (probs.to(v.dtype) @ v[:, None]).transpose(1, 2)
-                probs = probs.mean(1)  # (n, t, C), averaged over the G query heads
-                got = got + (probs * ok[:, rows, None]).sum(1)
-                last = last + (probs * newest[:, rows, None]).sum(1)
-                if observe and rows[-1] >= T - observe:
-                    seen.append(probs[:, (rows >= T - observe).nonzero()[:, 0]])
+            y[seg], got, last, seen = chunk_attention(
+                q[seg], g.block(keys), g.block(values), g.block(self.pos), at[seg], valid[seg],
+                latest[seg], observe)
             if observe:
-                self.observed.append(torch.cat(seen, 1))
+                self.observed.append(seen)
             if "score" in self.fields:
                 g.block(self.score).add_(got)
             if "last" in self.fields:
                 block = g.block(self.last)
-                block.copy_(torch.where(ok.any(1, keepdim=True), last, block))
+                block.copy_(torch.where(valid[seg].any(1, keepdim=True), last, block))
         return self.turned(y)
 
     def rows_of(self, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
