@@ -62,8 +62,8 @@ def slot_bytes(reads_last: bool, ranks: bool = True, measures: int = 0) -> int:
 
 @dataclass
 class Group:
-    """Segments of one policy, stored as an (n, C) block: pages first .. first + n * pages."""
-    policy: int  # the policy's index in the cache's list
+    """Segments holding about as many tokens, at one precision, stored as an (n, C) block:
+    pages first .. first + n * pages. At first, and after a chunk, of one policy."""
     rows: list[int]  # the n segment ids
     growth: float  # the largest share of new tokens a segment's policy holds (Policy.growth)
     bits: int | None = None  # the precision its K and V are stored at (`stored`)
@@ -123,7 +123,7 @@ def build(choice: list[int], kept: list[int], growth: list[float], reads_last: b
         seg = sorted((s for s in range(len(choice)) if choice[s] == i), key=kept.__getitem__)
         sizes = [kept[s] for s in seg]
         for g, pages in group_pages(sizes, room, page):
-            group = Group(i, seg[g], max(growth[s] for s in seg[g]), bits and bits[i])
+            group = Group(seg[g], max(growth[s] for s in seg[g]), bits and bits[i])
             planned = min(math.ceil(group.growth * new), pages * page // 4)
             group.pages = max(1, -(-(sizes[g.stop - 1] + room + planned) // page))
             groups.append(group)
@@ -740,29 +740,56 @@ def widen(p: Pool, extra: dict[int, int]):
 
 
 def compact(p: Pool, room: int):
-    """After a chunk's eviction: tokens to their rows' fronts, groups cut to their fullest
-    segment's pages plus `room`, giving back what the chunk took and its policies let go."""
-    P = p.page
-    held = [g.block(p.pos) >= 0 for g in p.groups]  # (n, C) each
-    most = torch.stack([h.sum(1).max() for h in held]).tolist()  # one host sync
-    pages = [min(g.pages, -(-(m + room) // P)) for g, m in zip(p.groups, most)]
-    if pages == [g.pages for g in p.groups]:
+    """After a chunk's eviction: each segment's tokens to its row's front, and the segments of
+    each part grouped again by what they hold (`group_pages`, as `build` does), each group cut
+    to its fullest segment plus `room`. What the chunk took and its policies let go is given
+    back, and so is what a segment no longer needs when a chunk's choice changed its policy."""
+    P, old = p.page, p.groups
+    held = [g.block(p.pos) >= 0 for g in old]  # (n, C) each
+    counts = torch.cat([h.sum(1) for h in held]).tolist()  # one host sync
+    count = dict(zip((s for g in old for s in g.rows), counts))
+    growth = {s: g.growth for g in old for s in g.rows}
+    groups = []
+    for part in p.parts:
+        segs = sorted(part.rows, key=count.__getitem__)
+        for run, pages in group_pages([count[s] for s in segs], room, P):
+            groups.append(Group(segs[run], max(growth[s] for s in segs[run]), part.bits,
+                                pages=pages))
+    if [(g.rows, g.pages) for g in groups] == [(g.rows, g.pages) for g in old]:
         return
-    orders = {id(g): (~h).byte().argsort(dim=1, stable=True)[:, :n * P]  # held slots first
-              for g, h, n in zip(p.groups, held, pages)}
-
-    def gathered(t, g, base, empty, keys):
-        t = g.block(t.transpose(1, 2) if keys else t, base)  # (n, C, ...)
-        order = orders[id(g)]
-        at = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
-        rows = t.gather(1, at).flatten(0, 1)  # (n * n_pages * P, ...)
-        rows = rows.view(-1, P, *rows.shape[1:])
-        return rows.transpose(1, 2).contiguous() if keys else rows
-
-    new, parts = remade(p, gathered)
-    for g, n in zip(p.groups, pages):
-        g.pages = n
+    orders = [(~h).byte().argsort(dim=1, stable=True) for h in held]  # held slots first
+    new = {name: moved(getattr(p, name), old, groups, orders, 0, empty, False, P)
+           for name, empty in p.fields.items()}
+    parts = []
+    for part in p.parts:
+        mine = [i for i, g in enumerate(old) if g.bits == part.bits]
+        parts.append([moved(t, [old[i] for i in mine], [g for g in groups if g.bits == part.bits],
+                            [orders[i] for i in mine], part.first, 0,
+                            name == "k" and not part.rounds, P)
+                      for name, t in zip(part.names, part.tensors())])
+    p.groups = groups
     replace(p, new, parts)
+
+
+def moved(t, old: list[Group], new: list[Group], orders, base: int, empty, keys: bool, P: int):
+    """A pool tensor's blocks for the `old` groups (first page `base`; `keys`: K as (N, D, P)),
+    each row's slots taken in `orders` (n, C), as the blocks of the `new` groups, which hold
+    the same segments."""
+    width = max(g.pages for g in new) * P
+    rows = []
+    for g, order in zip(old, orders):
+        block = g.block(t.transpose(1, 2) if keys else t, base)  # (n, C, ...)
+        order = order[:, :width]
+        at = order.view(*order.shape, *[1] * (block.dim() - 2)).expand(*order.shape,
+                                                                      *block.shape[2:])
+        block = block.gather(1, at)
+        pad = block.new_full((len(block), width - block.shape[1], *block.shape[2:]), empty)
+        rows.append(torch.cat([block, pad], 1))
+    rows = torch.cat(rows)  # (every old row, width, ...)
+    row = {s: i for i, s in enumerate(s for g in old for s in g.rows)}
+    blocks = [rows[[row[s] for s in g.rows], :g.pages * P].flatten(0, 1) for g in new]
+    out = torch.cat(blocks).view(-1, P, *rows.shape[2:])
+    return out.transpose(1, 2).contiguous() if keys else out
 
 
 def hand_out(pools: list[Pool], needs: list[int], remaining: list[int]):
