@@ -548,14 +548,8 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         new = first.max_new_tokens - 1
         unit, window, full_unit = token_costs(first)  # in tokens, or in bytes with `bits`
         costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
-        values = worth(first.method, offered)
-        if heads is not None:  # tensor parallel: every rank solves for every head
-            values, costs = heads.gather(values), heads.gather(costs)
-        # Each sequence's budget: a share of what its full cache would hold in these layers.
-        B = len(first.prompt_lens)
-        full = (first.prompt_lens.cpu() + new) * (costs.shape[1] // B * full_unit)  # (B,)
-        budgets = (first.method.kv_budget * full).long().expand(L, B)
-        picks, spent = knapsacks(values, costs, budgets)
+        picks, spent, budgets = within_budget(first, offered, costs, first.prompt_lens, new,
+                                              first.method.kv_budget, full_unit)
         reads = torch.tensor([p.reads_last for p in first.policies], device=picks.device)
         reads = reads[picks].any(1).tolist()  # each layer's, every rank's heads
         for c, pick, cost, b, r in zip(caches, picks if heads is None else heads.mine(picks),
@@ -597,12 +591,9 @@ def choose_again(cache: FastGenCache, profiles: list[Profile]):
     if cache.method.kv_budget is None:
         choice = choose(values, cache.method.recovery)
     else:
-        values, costs = worth(cache.method, values)[None], costs[None]
-        if heads is not None:  # tensor parallel: every rank solves for every head
-            values, costs = heads.gather(values), heads.gather(costs)
-        B = len(cache.prompt_lens)  # each sequence's share of what its full cache would hold
-        full = (cache.seen()[::S // B].cpu() + new) * (costs.shape[1] // B * full_unit)
-        choice, _ = knapsacks(values, costs, (cache.share * full).long()[None])
+        B = len(cache.prompt_lens)
+        choice, _, _ = within_budget(cache, values[None], costs[None], cache.seen()[::S // B],
+                                     new, cache.share, full_unit)
         choice = (choice if heads is None else heads.mine(choice))[0]
     cache.choice = choice
     cache.follow(choice.tolist())
@@ -633,6 +624,19 @@ def worth(method: Method, recovery) -> torch.Tensor:
     in their last bits, and would otherwise break a tie (two policies keeping all) either way."""
     recovery = recovery.round(decimals=6)
     return recovery if method.ask_after else squared_losses(recovery)
+
+
+def within_budget(cache: FastGenCache, recovery, costs, seen, new: int, share, full_unit: int):
+    """`knapsacks` of n layers' heads (n, S, M), each sequence within `share` of its full cache
+    of `seen` (B,) and `new` tokens; every rank solves for every head. Picks, spends, budgets."""
+    values, heads = worth(cache.method, recovery), cache.pending.heads
+    if heads is not None:
+        values, costs = heads.gather(values), heads.gather(costs)
+    B = len(seen)
+    full = (seen.cpu() + new) * (costs.shape[1] // B * full_unit)  # (B,)
+    budgets = (share * full).long().expand(len(values), B)
+    picks, spent = knapsacks(values, costs, budgets)
+    return picks, spent, budgets
 
 
 def knapsacks(values, costs, budgets):
@@ -673,8 +677,8 @@ def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
     choice = torch.cat([c.choice for c in caches])
     segments = torch.arange(len(choice), device=choice.device)
     keep = keeps[choice, segments]  # (L * S, T)
-    choices, kept = torch.stack([choice, keep.sum(1)]).tolist()  # one host sync
-    grown = growth[segments, choice].tolist()
+    choices, kept = torch.stack([choice, keep.sum(1)]).tolist()  # two host syncs, this and
+    grown = growth[segments, choice].tolist()  # the growths (floats)
     S = len(choices) // len(caches)
     for i, c in enumerate(caches):
         rows = slice(i * S, (i + 1) * S)
