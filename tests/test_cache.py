@@ -797,3 +797,46 @@ def test_a_cache_weighs_values_as_profiling_says(same_norms):
         assert torch.equal(weighed.choice, plain.choice)
     else:
         assert not torch.allclose(weighed.recovery, plain.recovery, atol=1e-3)
+
+
+def held_tokens(p: pool.Pool) -> dict:
+    """Each segment's held tokens, by position: (positions, K, V, score) as the pool reads them."""
+    keys, values = p.kv_pages()
+    keys = keys.transpose(1, 2)
+    held = {}
+    for g in p.groups:
+        pos, k, v, score = (g.block(t) for t in (p.pos, keys, values, p.score))
+        for i, s in enumerate(g.rows):
+            order = pos[i].argsort()[(pos[i] < 0).sum():]  # held slots, by position
+            held[s] = tuple(t[i][order] for t in (pos, k, v, score))
+    return held
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_compact_groups_segments_again_by_what_they_hold(bits):
+    """After a chunk, heads whose policies changed hold far fewer tokens than the others of
+    their group: compact groups them again (pool.group_pages) and cuts each group to its
+    fullest segment plus the room asked for, moving every held token with its key, value and
+    score. Kept whole, the group would stay as wide as its fullest segment."""
+    g = torch.Generator().manual_seed(5)
+    K, T, D, P, room = 4, 24, 8, 4, 2
+    p = pool.build([0] * K, [T] * K, [0.0] * K, False, page=P, evict_every=room, new=0,
+                   device="cpu", bits=None if bits is None else [bits])
+    prompt = torch.arange(T).expand(K, T)
+    fields = dict(pos=prompt, score=torch.rand(K, T, generator=g), last=None,
+                  flags=torch.zeros(K, T, dtype=torch.uint8))
+    k, v = torch.randn(2, 1, K, T, D, generator=g)
+    pool.fill_from_prompt([p], fields, torch.ones(K, T, dtype=torch.bool), [(k, v)])
+    block = p.groups[0].block(p.pos)
+    block[:2, 3:] = -1  # two heads let go of all but their first 3 tokens
+    before = held_tokens(p)
+    pool.compact(p, room)
+    assert sorted(sorted(g.rows) for g in p.groups) == [[0, 1], [2, 3]]
+    for grp in p.groups:
+        most = int((grp.block(p.pos) >= 0).sum(1).max())
+        assert grp.pages == -(-(most + room) // P)  # the fullest segment plus the room
+    after = held_tokens(p)
+    for s in range(K):
+        for x, y in zip(before[s], after[s]):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert p.size == P * sum(len(grp.rows) * grp.pages for grp in p.groups) < K * T
