@@ -685,10 +685,6 @@ def grow(p: Pool, counts: list[int], need: int, remaining: int) -> bool:
     return bool(extra)
 
 
-def groups_of(p: Pool, part: Part) -> list[Group]:
-    return [g for g in p.groups if g.bits == part.bits]
-
-
 def remade(p: Pool, per_group):
     """Every tensor of the pool, remade group by group: `per_group(t, g, base, empty, keys)`
     gives group g's block of t anew: a field, or a part's K or V whose first page is `base`
@@ -696,7 +692,7 @@ def remade(p: Pool, per_group):
     new = {name: torch.cat([per_group(getattr(p, name), g, 0, empty, False)
                             for g in p.groups]) for name, empty in p.fields.items()}
     parts = [[torch.cat([per_group(t, g, part.first, 0, name == "k" and not part.rounds)
-                         for g in groups_of(p, part)])
+                         for g in p.groups if g.bits == part.bits])
               for name, t in zip(part.names, part.tensors())] for part in p.parts]
     return new, parts
 
