@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch._dynamo
@@ -685,27 +685,41 @@ def grow(p: Pool, counts: list[int], need: int, remaining: int) -> bool:
     return bool(extra)
 
 
-def remade(p: Pool, per_group):
-    """Every tensor of the pool, remade group by group: `per_group(t, g, base, empty, keys)`
-    gives group g's block of t anew: a field, or a part's K or V whose first page is `base`
-    (`keys`: K as (N, D, P) pages)."""
-    new = {name: torch.cat([per_group(getattr(p, name), g, 0, empty, False)
-                            for g in p.groups]) for name, empty in p.fields.items()}
-    parts = [[torch.cat([per_group(t, g, part.first, 0, name == "k" and not part.rounds)
-                         for g in p.groups if g.bits == part.bits])
-              for name, t in zip(part.names, part.tensors())] for part in p.parts]
-    return new, parts
+def relay(p: Pool, groups: list[Group], orders: list[torch.Tensor]):
+    """Lay the pool out again as `groups`, which hold the same segments as p.groups: a new
+    slot of a segment takes its old slots in the old group's `orders` (n, C), then empty ones."""
+    P, old = p.page, p.groups
+    slots = {}  # each segment's old slots, in the order it takes them
+    for g, order in zip(old, orders):
+        rows = torch.arange(len(g.rows), device=order.device)[:, None]
+        slots.update(zip(g.rows, (g.first + rows * g.pages) * P + order))
 
+    def taken(gs: list[Group]) -> torch.Tensor:  # the old slot each new slot takes, -1 none
+        return torch.cat([torch.cat([slots[s][:g.pages * P], slots[s].new_full(
+            (max(0, g.pages * P - len(slots[s])),), -1)]) for g in gs for s in g.rows])
 
-def replace(p: Pool, new, parts):
-    for name, t in new.items():
-        setattr(p, name, t)
-    for part, ts in zip(p.parts, parts):
-        for name, t in zip(part.names, ts):
-            setattr(part, name, t)
+    at = taken(groups)
+    for name, empty in p.fields.items():
+        setattr(p, name, moved(getattr(p, name), at, empty))
+    for part in p.parts:
+        at = taken([g for g in groups if g.bits == part.bits])
+        at = torch.where(at >= 0, at - part.first * P, -1)
+        for name, t in zip(part.names, part.tensors()):
+            setattr(part, name, moved(t, at, 0, keys=name == "k" and not part.rounds))
+    p.groups = groups
     p.place()
     relink(p)
     p.mark_dynamic()
+
+
+def moved(t, at, empty, keys: bool = False) -> torch.Tensor:
+    """A pool tensor's slots (N, P, ...), or K as (N, D, P) with `keys`, as the slots `at` name
+    (-1: `empty`), in pages of P."""
+    x = t.transpose(1, 2) if keys else t
+    flat = x.reshape(-1, *x.shape[2:])
+    flat = torch.cat([flat, flat.new_full((1, *flat.shape[1:]), empty)])  # at -1: this row
+    out = flat[at].view(-1, x.shape[1], *x.shape[2:])
+    return out.transpose(1, 2).contiguous() if keys else out
 
 
 def relink(p: Pool):
@@ -721,18 +735,11 @@ def relink(p: Pool):
 
 def widen(p: Pool, extra: dict[int, int]):
     """Add `extra[i]` empty pages to each segment of group i."""
-    def padded(t, g, base, empty, keys):
-        n = extra.get(p.groups.index(g), 0)
-        block = t[g.first - base:g.first - base + len(g.rows) * g.pages]
-        block = block.reshape(len(g.rows), g.pages, *block.shape[1:])
-        pad = block.new_full((len(g.rows), n, *block.shape[2:]), empty)
-        return torch.cat([block, pad], 1).flatten(0, 1)
-
-    new, parts = remade(p, padded)
-    for i, n in extra.items():
-        p.groups[i].pages += n
+    P, device = p.page, p.pos.device
+    orders = [torch.arange(g.pages * P, device=device).expand(len(g.rows), -1) for g in p.groups]
     p.n_growths += len(extra)
-    replace(p, new, parts)
+    relay(p, [replace(g, pages=g.pages + extra.get(i, 0))
+              for i, g in enumerate(p.groups)], orders)
 
 
 def compact(p: Pool, room: int):
@@ -753,39 +760,7 @@ def compact(p: Pool, room: int):
                                 pages=pages))
     if [(g.rows, g.pages) for g in groups] == [(g.rows, g.pages) for g in old]:
         return
-    orders = [(~h).byte().argsort(dim=1, stable=True) for h in held]  # held slots first
-    new = {name: moved(getattr(p, name), old, groups, orders, 0, empty, False, P)
-           for name, empty in p.fields.items()}
-    parts = []
-    for part in p.parts:
-        mine = [i for i, g in enumerate(old) if g.bits == part.bits]
-        parts.append([moved(t, [old[i] for i in mine], [g for g in groups if g.bits == part.bits],
-                            [orders[i] for i in mine], part.first, 0,
-                            name == "k" and not part.rounds, P)
-                      for name, t in zip(part.names, part.tensors())])
-    p.groups = groups
-    replace(p, new, parts)
-
-
-def moved(t, old: list[Group], new: list[Group], orders, base: int, empty, keys: bool, P: int):
-    """A pool tensor's blocks for the `old` groups (first page `base`; `keys`: K as (N, D, P)),
-    each row's slots taken in `orders` (n, C), as the blocks of the `new` groups, which hold
-    the same segments."""
-    width = max(g.pages for g in new) * P
-    rows = []
-    for g, order in zip(old, orders):
-        block = g.block(t.transpose(1, 2) if keys else t, base)  # (n, C, ...)
-        order = order[:, :width]
-        at = order.view(*order.shape, *[1] * (block.dim() - 2)).expand(*order.shape,
-                                                                      *block.shape[2:])
-        block = block.gather(1, at)
-        pad = block.new_full((len(block), width - block.shape[1], *block.shape[2:]), empty)
-        rows.append(torch.cat([block, pad], 1))
-    rows = torch.cat(rows)  # (every old row, width, ...)
-    row = {s: i for i, s in enumerate(s for g in old for s in g.rows)}
-    blocks = [rows[[row[s] for s in g.rows], :g.pages * P].flatten(0, 1) for g in new]
-    out = torch.cat(blocks).view(-1, P, *rows.shape[2:])
-    return out.transpose(1, 2).contiguous() if keys else out
+    relay(p, groups, [(~h).byte().argsort(dim=1, stable=True) for h in held])  # held first
 
 
 def hand_out(pools: list[Pool], needs: list[int], remaining: list[int]):
