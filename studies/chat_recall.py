@@ -1,6 +1,6 @@
 """A document pasted in one chat turn, a question about it in the next: is it answered?
 
-    python -m studies.chat_recall                     # 10 cases at 1,500 tokens: ~15 min on 2 cores
+    python -m studies.chat_recall                     # 10 cases at 1,500 tokens: ~10 min on 2 cores
     python -m studies.chat_recall --cases 2 --length 512   # a smoke test
 
 Each case is a three-turn chat (chat.Chat, the cache kept across turns): a
