@@ -677,8 +677,9 @@ def compress(caches: list[FastGenCache], prompt: Slots, keeps, growth):
     choice = torch.cat([c.choice for c in caches])
     segments = torch.arange(len(choice), device=choice.device)
     keep = keeps[choice, segments]  # (L * S, T)
-    choices, kept = torch.stack([choice, keep.sum(1)]).tolist()  # two host syncs, this and
-    grown = growth[segments, choice].tolist()  # the growths (floats)
+    # Two host syncs: the integers, then the growths (floats).
+    choices, kept = torch.stack([choice, keep.sum(1)]).tolist()
+    grown = growth[segments, choice].tolist()
     S = len(choices) // len(caches)
     for i, c in enumerate(caches):
         rows = slice(i * S, (i + 1) * S)

@@ -114,6 +114,15 @@ class HFModel(nn.Module):
         return self.hf.lm_head(x).float()
 
 
+def wrapped(model) -> HFModel:
+    """The model's HFModel, made once and kept in the model's own __dict__ (not a submodule):
+    the heads that copy are probed once per model (cache.copy_heads), and the two are freed
+    together."""
+    if "_fastgen" not in model.__dict__:
+        model.__dict__["_fastgen"] = HFModel(model)
+    return model.__dict__["_fastgen"]
+
+
 def flags(tokenizer, vocab_size: int | None = None) -> torch.Tensor:
     """(V,) SPECIAL / PUNCT bits of every token id (policies.token_flags) from a tokenizer of
     transformers, by tokenizer.Tokenizer's rule: special tokens (its added tokens marked special
@@ -152,7 +161,7 @@ def generate(model, input_ids, generation_config=None,
     was = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION)
     try:
-        gen = generation.generate(HFModel(model), prompts, new, cache=kv, eos_ids=eos,
+        gen = generation.generate(wrapped(model), prompts, new, cache=kv, eos_ids=eos,
                                   token_flags=token_flags, **sampling)
     finally:
         model.set_attn_implementation(was)
@@ -172,4 +181,4 @@ def load(folder: str, dtype: str = "float32", device: str = "cpu"):
     check(AutoConfig.from_pretrained(folder))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=generation.DTYPES[dtype],
                                                  attn_implementation=ATTENTION)
-    return HFModel(model.to(device).eval()), Tokenizer(folder)
+    return wrapped(model.to(device).eval()), Tokenizer(folder)

@@ -178,23 +178,22 @@ def paged_attention(q, k, v, empty, owner, window=None):
     return y.to(v.dtype), probs.mean(1)
 
 
-def chunk_attention(q, k, v, pos, at, valid, latest, observe: int = 0):
+def chunk_attention(q, k, v, pos, at, valid, latest, observe: int = 0, padded: bool = True):
     """T queries a segment over the slots it holds, each up to its own position, CHUNK_ROWS
     rows at a time (a chunk's scores would outweigh the cache).
 
     q: (n, G, T, D) at positions at (n, T); k, v: (n, C, D) and pos (n, C) a group's slots;
-    valid (n, T): the queries that are not padding; latest (n, T): each segment's last valid
-    one. Returns the output (n, G, T, D) and, averaged over the G query heads, the attention
+    valid (n, T): the queries that are not padding (`padded`: whether any is); latest (n, T):
+    each segment's last valid one. Returns the output (n, G, T, D) and, averaged over the G query heads, the attention
     each slot got from the valid queries and from the latest, (n, C) each, and from the last
     `observe` rows, (n, observe, C)."""
     n, G, T, D = q.shape
     y, got, last, seen = torch.empty_like(q), 0, 0, []
-    padded = not bool(valid.all())  # a padding query may see no slot: its softmax is NaN
     for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
         sees = (pos[:, None] >= 0) & (pos[:, None] <= at[:, rows, None])  # (n, t, C)
         scores = (q[:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
         probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1)
-        if padded:
+        if padded:  # a padding query may see no slot: its softmax is NaN
             probs.nan_to_num_(0.0)
         y[:, :, rows] = probs.to(v.dtype) @ v[:, None]
         probs = probs.mean(1)  # (n, t, C)
@@ -541,11 +540,12 @@ class Pool(Storage):
         keys, values = self.kv_pages()
         keys = keys.transpose(1, 2)  # (N, P, D)
         latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
+        padded = not bool(valid.all())
         for g in self.groups:
             seg = g.seg.to(q.device)
             y[seg], got, last, seen = chunk_attention(
                 q[seg], g.block(keys), g.block(values), g.block(self.pos), at[seg], valid[seg],
-                latest[seg], observe)
+                latest[seg], observe, padded)
             if observe:
                 self.observed.append(seen)
             if "score" in self.fields:
@@ -694,19 +694,18 @@ def relay(p: Pool, groups: list[Group], orders: list[torch.Tensor]):
         rows = torch.arange(len(g.rows), device=order.device)[:, None]
         slots.update(zip(g.rows, (g.first + rows * g.pages) * P + order))
 
-    def taken(gs: list[Group]) -> torch.Tensor:  # the old slot each new slot takes, -1 none
-        return torch.cat([torch.cat([slots[s][:g.pages * P], slots[s].new_full(
-            (max(0, g.pages * P - len(slots[s])),), -1)]) for g in gs for s in g.rows])
-
-    at = taken(groups)
+    # Part by part, as `place` lays them out: the old slot each new slot takes, -1 none.
+    per_part = [[g for g in groups if g.bits == part.bits] for part in p.parts]
+    ats = [torch.cat([torch.cat([slots[s][:g.pages * P], slots[s].new_full(
+        (max(0, g.pages * P - len(slots[s])),), -1)]) for g in gs for s in g.rows])
+        for gs in per_part]
     for name, empty in p.fields.items():
-        setattr(p, name, moved(getattr(p, name), at, empty))
-    for part in p.parts:
-        at = taken([g for g in groups if g.bits == part.bits])
-        at = torch.where(at >= 0, at - part.first * P, -1)
+        setattr(p, name, moved(getattr(p, name), torch.cat(ats), empty))
+    for part, at in zip(p.parts, ats):
+        at = torch.where(at >= 0, at - part.first * P, -1)  # the part's own slots
         for name, t in zip(part.names, part.tensors()):
             setattr(part, name, moved(t, at, 0, keys=name == "k" and not part.rounds))
-    p.groups = groups
+    p.groups = [g for gs in per_part for g in gs]
     p.place()
     relink(p)
     p.mark_dynamic()
@@ -716,9 +715,9 @@ def moved(t, at, empty, keys: bool = False) -> torch.Tensor:
     """A pool tensor's slots (N, P, ...), or K as (N, D, P) with `keys`, as the slots `at` name
     (-1: `empty`), in pages of P."""
     x = t.transpose(1, 2) if keys else t
-    flat = x.reshape(-1, *x.shape[2:])
-    flat = torch.cat([flat, flat.new_full((1, *flat.shape[1:]), empty)])  # at -1: this row
-    out = flat[at].view(-1, x.shape[1], *x.shape[2:])
+    out = x.reshape(-1, *x.shape[2:])[at.clamp(min=0)]
+    out[at < 0] = empty
+    out = out.view(-1, x.shape[1], *x.shape[2:])
     return out.transpose(1, 2).contiguous() if keys else out
 
 

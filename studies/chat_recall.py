@@ -7,10 +7,11 @@ Each case is a three-turn chat (chat.Chat, the cache kept across turns): a
 greeting; then the user pastes a document of `--length` tokens of real text
 with needles hidden in it (longctx's niah_single and niah_multikey, in turn);
 then asks for one needle's number. The cache compresses each turn when it is
-read, before the question exists; the pasted turn's speed (the median
-over cases of its tokens over its time, compressing included) is reported. Caches: the full cache, FastGen at `--budget`
-as a chat runs it (reading each turn again), and without that reading. A case
-scores the share of the required strings in the third answer (`answer_score`).
+read, before the question exists. Caches: the full cache, FastGen at
+`--budget` as a chat runs it (reading each turn again), and without that
+reading. A case scores the share of the required strings in the third answer
+(`answer_score`); the pasted turn's speed is the median over cases of its
+tokens over its time, compressing included.
 
 Writes `--out`.json and prints a table.
 """
