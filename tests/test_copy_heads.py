@@ -59,8 +59,8 @@ def plans(model, method, lens, flags, chunk=None):
 def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
     """Marked as copying, the second KV head of the first layer takes a policy keeping every
     token, at 8 bits or more, at a quarter of the bytes, in every sequence, also where chunks
-    choose again; unmarked, the same model's plan evicts there or rounds to 4 bits. Only the
-    default in several precisions asks."""
+    choose again and where the prompt is read again; unmarked, the same model's plan evicts
+    there or rounds to 4 bits. Only the default in several precisions asks."""
     model, flags, lens = tiny_model(n_layers=2), random_flags(256, 1), [48, 40]
     K = model.args.n_kv_heads
     marked = torch.zeros(2, K, dtype=torch.bool)
@@ -68,18 +68,19 @@ def test_a_head_that_copies_keeps_every_token_under_a_tight_budget():
     method = cache.default_method(0.25, kv_bits=(16, 8, 4))
     assert method.copies and not cache.paper_method((16, 8, 4)).copies
     # Not where a head kept whole would cost more than COPY_COST times a head's share (an eighth
-    # at 8 bits, a quarter in the model's dtype), nor in one precision, nor read again.
+    # at 8 bits, a quarter in the model's dtype), nor in one precision.
     assert not any(cache.default_method(b, bits).copies
                    for b, bits in ((0.125, (16, 8, 4)), (0.25, None), (0.5, (4,))))
-    assert not cache.default_method(0.25, (16, 8, 4), ask_after=True).copies
-    cache._copies[model] = torch.zeros_like(marked)
-    before = plans(model, method, lens, flags)
-    assert not all(p.keeps_all and b >= 8 for p, b in before[0][1::K])  # the premise
-    cache._copies[model] = marked
-    for chunk in (None, 16):
-        after = plans(model, method, lens, flags, chunk)
-        assert all(p.keeps_all and b >= 8 for p, b in after[0][1::K])
-        assert not all(p.keeps_all for layer in after for p, _ in layer)
+    read = cache.default_method(0.25, (16, 8, 4), ask_after=True)
+    for m in (method, read):
+        cache._copies[model] = torch.zeros_like(marked)
+        before = plans(model, m, lens, flags)
+        assert not all(p.keeps_all and b >= 8 for p, b in before[0][1::K])  # the premise
+        cache._copies[model] = marked
+        for chunk in (None, 16):
+            after = plans(model, m, lens, flags, chunk)
+            assert all(p.keeps_all and b >= 8 for p, b in after[0][1::K])
+            assert not all(p.keeps_all for layer in after for p, _ in layer)
 
 
 def test_in_the_model_s_dtype_full_joins_the_menu_for_the_heads_that_copy_alone():
