@@ -151,10 +151,11 @@ def default_method(kv_budget: float = 0.5, kv_bits=None, ask_after: bool = False
     # A head kept whole costs COPY_BITS / 16 of a 16-bit one where the menu has Full at COPY_BITS
     # or more; in the model's dtype all of it, and Full joins the menu for them alone.
     whole = 1 if bits is None else COPY_BITS / 16 if any(copying(policies, bits)) else math.inf
-    copies = whole <= COPY_COST * kv_budget  # read again too: the reading spreads a needle thin
+    # Read again too: the reading alone keeps a needle's later digits in few heads.
+    copies = whole <= COPY_COST * kv_budget
     if copies and whole == 1:
         policies = policies + [Full()]
-    # Read again, the window stays quant.WINDOW.
+    # Read again, a 4- or 2-bit head's window stays quant.WINDOW.
     return Method(policies, bits, kv_budget=kv_budget, rows=ROWS, span=1 if ask_after else SPAN,
                   weigh_values=not ask_after, ask_after=ask_after,
                   window=None if ask_after else budget_window(kv_budget), copies=copies)
