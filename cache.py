@@ -24,7 +24,8 @@ With `Method.ask_after` (`--ask-after`), deciding waits until the prompt is read
 (generation.read_again, `cache.read_again`). A prompt token's score is then the most
 attention that reading gives it, times READ_WEIGHT, or what the prompt's last rows gave it,
 where more; the knapsack keeps the most score over the heads, as KVzip does. A chunk read again
-chooses again (`choose_from_reading`).
+chooses again (`choose_from_reading`); read by its lower layers alone (a chat's later turns), the
+layers above take each token's most from below (`read_piece`).
 """
 from __future__ import annotations
 
@@ -71,6 +72,12 @@ ROUNDING_WEIGHT = 0.25
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
               "out the slots the step writes to)")
+
+
+class ReadEnough(Exception):
+    """Raised by a layer above those a reading again reads (`read_piece`): the forward stops."""
+
+
 UNREAD = ("a cache that chooses for questions asked after the prompt (ask_after) decides once "
           "the prompt is read again: call generation.read_again(model, tokens, prompt_lens) "
           "after the prefill, as generation.prefill does")
@@ -247,6 +254,7 @@ class FastGenCache(Cache):
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.all_rows = None  # every prompt row's Profile, prefill to `decide`, where it is read
         self.reads_next = False  # the next forward reads again (`read_piece`)
+        self.reads_above = False  # ... or stops there: the layer is above those read (`read_piece`)
         self.read_scores = None  # what reading again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
         self.read_from = None  # (B,) the prompt position where the part read again starts
@@ -260,6 +268,8 @@ class FastGenCache(Cache):
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.reads_next:
+            if self.reads_above:
+                raise ReadEnough
             return read_again(self, q, k, v)
         if self.pool is None:
             if self.held is not None:  # the prompt waits for `decide`: only reading again does
@@ -791,23 +801,45 @@ def read_again(cache: FastGenCache, q, k, v):
     return y
 
 
-def read_piece(caches: list[FastGenCache], counts=None, first=None):
+def read_piece(caches: list[FastGenCache], counts=None, first=None, layers=None):
     """Before each piece of a reading again (generation.read_again), its tokens (B,) per
-    sequence and the prompt position `first` (B,) of the part it reads again; no counts
-    ends the reading: every layer profiles what it gave and decides."""
+    sequence and the prompt position `first` (B,) of the part it reads again; with `layers`, only
+    the first that many layers read it (a chunk's, not a prompt's). No counts ends the reading:
+    every layer profiles what it gave, those above what the ones below gave, and decides."""
     if counts is None:
         for c in caches:
             c.reads_next = False
         if caches[0].pool is None:
             caches[0].pending.flush()
-        else:
-            for c in caches:
-                choose_from_reading(c)
+            return
+        below = [c for c in caches if not c.reads_above]
+        for c in caches[len(below):]:
+            c.read_scores, c.reads_above = read_below(c, below), False
+        for c in caches:
+            choose_from_reading(c)
         return
-    for c in caches:
-        c.reads_next = True
+    for i, c in enumerate(caches):
+        c.reads_next, c.reads_above = True, layers is not None and i >= layers
         c.counts = torch.as_tensor(counts, device=c.prompt_lens.device)
         c.read_from = torch.as_tensor(first, device=c.prompt_lens.device)
+
+
+def read_below(cache: FastGenCache, below: list[FastGenCache]) -> list[torch.Tensor]:
+    """For a layer above those read again, each held token's score, a group at a time: the most
+    any head of the layers `below` gave the same token of the same sequence."""
+    B, P = len(cache.prompt_lens), int(max(c.pool.pos.max() for c in below + [cache])) + 1
+    most = torch.zeros(B * P, device=cache.pool.score.device)
+
+    def at(c: FastGenCache, g: pool.Group):  # each slot's (sequence, position) in `most`
+        pos = g.block(c.pool.pos).long()
+        seq = g.seg.to(pos.device)[:, None] // c.n_kv_heads
+        return seq * P + pos.clamp(min=0), pos >= 0
+    for c in below:
+        for g, got in zip(c.pool.groups, c.read_scores):
+            i, held = at(c, g)
+            most.scatter_reduce_(0, i[held], got[held].float(), "amax")
+    return [most[i].to(cache.pool.score.dtype) * held for i, held in
+            (at(cache, g) for g in cache.pool.groups)]
 
 
 def choose_from_reading(cache: FastGenCache):

@@ -6,11 +6,13 @@ twice. Every cache takes a turn in chunks of CHUNK tokens, each attending over e
 before it. A compressed cache keeps of each chunk what its heads' policies keep
 (FastGenCache.chunk): a turn counts as read, like the first, and each chunk chooses every
 head's policy again, so the budget holds for the whole conversation. It chooses for questions
-asked after (generation.read_again), as later turns ask about earlier ones, unless the options
-say `ask_after=False` (`--no-ask-after`), or the cache runs the paper's method.
+asked after (generation.read_again; after the first turn, by the lower READ_LAYERS of the
+layers), as later turns ask about earlier ones, unless the options say `ask_after=False`
+(`--no-ask-after`), or the cache runs the paper's method.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -23,6 +25,10 @@ from tokenizer import TokenizerError, not_utf8_at
 
 CHUNK = 512  # tokens per call when a cache takes a turn: bounds the attention matrix;
 # also the step by which the full cache grows.
+# A turn after the first is read again by this share of the layers, from the bottom: a quarter of
+# a forward pass, not a whole one; the layers above take each token's most from below
+# (cache.read_piece). Tuned on news; studies/README.md, chat_recall.
+READ_LAYERS = 0.25
 
 
 class ConversationFull(Exception):
@@ -173,7 +179,8 @@ class Chat:
             pos = torch.arange(start + i, start + i + n, device=self.device)[None]
             logits = model(part, pos, logits_at=torch.tensor([n - 1], device=self.device))
             if asks_after(model.caches()):  # what it keeps of the chunk, chosen for later turns
-                read_again(model, part, torch.tensor([n], device=self.device), start=pos[:, -1] + 1)
+                read_again(model, part, torch.tensor([n], device=self.device), start=pos[:, -1] + 1,
+                           layers=None if first else math.ceil(READ_LAYERS * len(model.layers)))
         return sample(logits[:, 0], **self.sampling)[:, None]
 
     def stats(self, fed, out, reply, prefill_s, decode_s, steps, compile_s, first, **flags) -> Turn:

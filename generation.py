@@ -83,7 +83,7 @@ READ_AGAIN = 1024
 
 
 def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ_AGAIN,
-               decide: bool = True):
+               decide: bool = True, layers: int | None = None):
     """Read again what the caches read last, tokens (B, T) of which counts (B,)
     each sequence's, in pieces of `piece` tokens, for caches that choose what
     to keep by the attention it gives (cache.Method.ask_after): KVzip's context
@@ -92,6 +92,8 @@ def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ
     (cache.read_again). Nothing of it is kept. A piece is placed at
     `start` (B,), the position after what was read (default: counts, a whole
     prompt), or earlier where it would run past the model's context. With
+    `layers`, a chunk on top of what is held is read by the first that many
+    layers alone; the forward stops there (cache.read_piece). With
     `decide` False the caches hold what it gave until
     cache.read_piece(caches)."""
     caches, B = model.caches(), len(tokens)
@@ -99,9 +101,12 @@ def read_again(model: Transformer, tokens, counts, start=None, piece: int = READ
     for s in range(0, tokens.shape[1], piece):
         part = tokens[:, s:s + piece]
         at = start.clamp(max=model.args.max_seq_len - part.shape[1])
-        fastgen_cache.read_piece(caches, (counts - s).clamp(0, piece), start - counts + s)
-        model(part, at[:, None] + torch.arange(part.shape[1], device=part.device),
-              logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
+        fastgen_cache.read_piece(caches, (counts - s).clamp(0, piece), start - counts + s, layers)
+        try:
+            model(part, at[:, None] + torch.arange(part.shape[1], device=part.device),
+                  logits_at=torch.zeros(B, dtype=torch.long, device=part.device))
+        except fastgen_cache.ReadEnough:  # the layers above `layers` do not read it
+            pass
     if decide:
         fastgen_cache.read_piece(caches)
 

@@ -254,3 +254,38 @@ def test_after_reading_again_decoding_evicts_as_the_default_does():
     S = model.args.n_kv_heads
     for ask_after in (False, True):
         assert any(k < 32 * S for k in kept[ask_after])
+
+
+def test_a_chunk_read_by_its_lower_layers_stops_there_and_lends_the_layers_above_its_most(
+        monkeypatch):
+    """A chunk read again with `layers`: only those layers run the reading (the forward stops
+    at the next), and each layer above scores a held token by the most any lower head gave that
+    token, as a chat's later turns are read (chat.READ_LAYERS)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.tiny(n_layers=4)).eval()
+    ids = torch.randint(1, model.args.vocab_size, (1, 40))
+    caches = cache.fastgen_caches(model, cache.fixed_method("local", 1.0, ask_after=True), [24], 16)
+    model.setup_caches(caches)
+    model(ids[:, :24], torch.arange(24)[None])
+    read_again(model, ids[:, :24], torch.tensor([24]))
+    reserve(caches, torch.tensor([16]))
+    model(ids[:, 24:], torch.arange(24, 40)[None])
+    ran, got = [], {}
+    for i, layer in enumerate(model.layers):
+        layer.feed_forward.register_forward_hook(lambda *_, i=i: ran.append(i))
+    real = cache.choose_from_reading
+
+    def spy(self):  # each layer's scores, laid out by position: (K, 40)
+        by_pos = [torch.zeros(len(col), 40).scatter_add_(1, g.block(self.pool.pos).long().clamp(
+            min=0), col * (g.block(self.pool.pos) >= 0)) for g, col in zip(self.pool.groups,
+                                                                           self.read_scores)]
+        got[caches.index(self)] = torch.cat(by_pos)
+        real(self)
+    monkeypatch.setattr(cache, "choose_from_reading", spy)
+    read_again(model, ids[:, 24:], torch.tensor([16]), start=torch.tensor([40]), layers=2)
+    assert ran == [0, 1]
+    most = torch.maximum(got[0].amax(0), got[1].amax(0))
+    assert bool((most[24:] > 0).all())
+    for above in (2, 3):
+        torch.testing.assert_close(got[above], most.expand_as(got[above]))
+    assert not any(c.reads_next or c.reads_above for c in caches)
