@@ -328,8 +328,9 @@ def parse_args(argv=None):
     p.add_argument("--ask-after", action=argparse.BooleanOptionalAction,
                    help="compressed caches: keep what questions asked after the prompt need "
                         "(a chat's next turn, one cache for many questions), found by reading "
-                        "the prompt again, besides what its end asks: about 2.5x the prefill "
-                        "(default: on for --interactive, except with --paper; off for prompts)")
+                        "the prompt again, besides what its end asks: about 2.5x the prefill; "
+                        "a chat reads its later turns by its lower layers alone (default: on for "
+                        "--interactive, except with --paper; off for prompts)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="read each prompt in pieces of N tokens (peak memory follows the cache)")
     p.add_argument("--kv-bits", type=bits_list, metavar="B[,B...]",

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import chat
 from chat import Chat
 from generation import CacheOptions, flags_of, load
 from studies import output
@@ -59,12 +60,16 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=24, help="answer tokens a turn (default 24)")
     p.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES),
                    help="caches to run (default all)")
+    p.add_argument("--read-layers", type=float, default=chat.READ_LAYERS,
+                   help="share of the layers that read a turn after the first again (default "
+                        f"chat.READ_LAYERS, {chat.READ_LAYERS}; 1: all of them)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default="news", help="the haystack: news, usenet or pydoc")
     p.add_argument("--out", default="results/chat_recall/chat_recall")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    chat.READ_LAYERS = a.read_layers
     model, tok = load(a.ckpt)
     flags = flags_of(model, tok)
     hay = Haystack(tok, a.text)
