@@ -72,15 +72,13 @@ ROUNDING_WEIGHT = 0.25
 UNRESERVED = ("a compressed cache's decode step ran without its reservation: call "
               "reserve(model.caches()) before each compiled step (it evicts and hands "
               "out the slots the step writes to)")
+UNREAD = ("a cache that chooses for questions asked after the prompt (ask_after) decides once "
+          "the prompt is read again: call generation.read_again(model, tokens, prompt_lens) "
+          "after the prefill, as generation.prefill does")
 
 
 class ReadEnough(Exception):
     """Raised by a layer above those a reading again reads (`read_piece`): the forward stops."""
-
-
-UNREAD = ("a cache that chooses for questions asked after the prompt (ask_after) decides once "
-          "the prompt is read again: call generation.read_again(model, tokens, prompt_lens) "
-          "after the prefill, as generation.prefill does")
 
 
 def budget_window(kv_budget: float) -> int:
