@@ -25,8 +25,8 @@ from tokenizer import TokenizerError, not_utf8_at
 
 CHUNK = 512  # tokens per call when a cache takes a turn: bounds the attention matrix;
 # also the step by which the full cache grows.
-# A turn after the first is read again by this share of the layers, from the bottom: 0.4 of
-# a forward pass, not a whole one; the layers above take each token's most from below
+# A turn after the first is read again by this share of the layers, from the bottom: that share
+# of a forward pass, not a whole one; the layers above take each token's most from below
 # (cache.read_piece). Tuned on news; studies/README.md, chat_recall.
 READ_LAYERS = 0.4
 
