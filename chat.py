@@ -96,6 +96,7 @@ class Chat:
         self.length = 0      # tokens in the cache, at positions 0 .. length-1
         self.limit = 0       # the most it can hold; set by the first turn
 
+    @torch.no_grad()  # else every turn's activations stay alive, held by the cache's graph
     def turn(self, text: str, on_token=None, stop=lambda: False) -> Turn:
         """Feed a user turn on top of the cache and answer it. `stop()` is asked after each
         token; True ends the answer there, between two decode steps, so the cache stays whole."""

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,6 +91,18 @@ def test_a_chat_reads_its_turns_for_questions_asked_after_by_default(tiny_ckpt, 
 def test_no_ask_after_flag_turns_the_chat_reading_off():
     assert generate.parse_args(["--interactive", "--no-ask-after"]).ask_after is False
     assert generate.parse_args(["--interactive"]).ask_after is None
+
+
+@pytest.mark.parametrize("kv", ["full", "fastgen"])
+def test_a_turn_records_no_autograd_graph(tiny_ckpt, kv):
+    """The model's weights require grad; a turn must not build a graph, which the cache would hold
+    with every activation of every turn."""
+    session = chat(tiny_ckpt, kv)
+    for text in ["Hello, world", "The quick brown fox " * 12]:
+        session.turn(text)
+    held = [t for c in session.model.caches() for t in [*c.buffers(), *vars(c).values()]
+            if isinstance(t, torch.Tensor)]
+    assert held and not any(t.requires_grad for t in held)
 
 
 def test_compressed_cache_holds_less_and_keeps_its_plan(tiny_ckpt):
