@@ -11,7 +11,8 @@ read, before the question exists. Caches: the full cache, FastGen at
 `--budget` as a chat runs it (reading each turn again), and without that
 reading. A case scores the share of the required strings in the third answer
 (`answer_score`); the pasted turn's speed is the median over cases of its
-tokens over its time, compressing included.
+tokens over its time, compressing included, and of its ratio to the first cache's on the same
+case (the caches take each case in turn).
 
 Writes `--out`.json and prints a table.
 """
@@ -77,18 +78,24 @@ def main(argv=None):
              for c in make_cases(tok, hay, task, a.length, (a.cases + 1 - i) // 2, a.seed)]
     random.Random(a.seed).shuffle(cases)
     rows = {}
-    for name in a.caches:
-        kw = CACHES[name]
-        options = CacheOptions(**kw, kv_budget=None if kw["kv"] == "full" else a.budget)
-        runs = [conversation(model, tok, flags, options, c, a.new_tokens)
-                for c in tqdm(cases, desc=name, leave=False)]
-        rows[name] = dict(score=sum(r["score"] for r in runs) / len(runs),
-                          share=sum(r["kv_bytes"] for r in runs) / sum(
-                              r["full_kv_bytes"] for r in runs),
-                          paste_tps=statistics.median(r["paste_tokens"] / r["paste_s"]
-                                                      for r in runs), runs=runs)
+    options = {name: CacheOptions(**CACHES[name], kv_budget=None if CACHES[name]["kv"] == "full"
+                                  else a.budget) for name in a.caches}
+    # Case by case, each cache in turn: the machine's drift falls on every cache alike.
+    runs = {name: [] for name in a.caches}
+    for c in tqdm(cases, desc="cases", leave=False):
+        for name in a.caches:
+            runs[name].append(conversation(model, tok, flags, options[name], c, a.new_tokens))
+    first = a.caches[0]
+    for name, rs in runs.items():
+        speed = [r["paste_tokens"] / r["paste_s"] for r in rs]
+        against = [x / (b["paste_tokens"] / b["paste_s"]) for x, b in zip(speed, runs[first])]
+        rows[name] = dict(score=sum(r["score"] for r in rs) / len(rs),
+                          share=sum(r["kv_bytes"] for r in rs) / sum(r["full_kv_bytes"] for r in rs),
+                          paste_tps=statistics.median(speed), against=statistics.median(against),
+                          runs=rs)
         print(f"{name:22s} score {rows[name]['score']:.3f}  share {rows[name]['share']:.3f}  "
-              f"pasted turn {rows[name]['paste_tps']:.0f} tokens/s", flush=True)
+              f"pasted turn {rows[name]['paste_tps']:.0f} tokens/s, "
+              f"{rows[name]['against']:.2f}x {first}'s", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     output(out, ".json").write_text(json.dumps(dict(
