@@ -2,8 +2,9 @@
 
 Each user turn is rendered with the checkpoint's chat template, and only the text the template
 adds after what the cache already holds is encoded and fed, so a conversation is never encoded
-twice. Every cache takes a turn in chunks of CHUNK tokens, each attending over everything
-before it. A compressed cache keeps of each chunk what its heads' policies keep
+twice. The full cache takes a turn in chunks of CHUNK tokens, a compressed one in chunks of
+READ_AGAIN (what the reading reads at once), each attending over everything before it. A
+compressed cache keeps of each chunk what its heads' policies keep
 (FastGenCache.chunk): a turn counts as read, like the first, and each chunk chooses every
 head's policy again, so the budget holds for the whole conversation. It chooses for questions
 asked after (generation.read_again; after the first turn, by the lower READ_LAYERS of the
@@ -20,11 +21,11 @@ import torch
 
 from cache import asks_after
 from model import reserve
-from generation import CacheOptions, decode, dense_kv_bytes, make_caches, read_again, sample
+from generation import (READ_AGAIN, CacheOptions, decode, dense_kv_bytes, make_caches, read_again,
+                        sample)
 from tokenizer import TokenizerError, not_utf8_at
 
-CHUNK = 512  # tokens per call when a cache takes a turn: bounds the attention matrix;
-# also the step by which the full cache grows.
+CHUNK = 512  # tokens per call when the full cache takes a turn; also the step by which it grows.
 # A turn after the first is read again by this share of the layers, from the bottom: that share
 # of a forward pass, not a whole one; the layers above take each token's most from below
 # (cache.read_piece). Tuned on news; studies/README.md, chat_recall.
@@ -169,9 +170,10 @@ class Chat:
 
     def feed(self, ids: list[int], first: bool):
         """Put ids into the cache after what it holds; returns the token sampled after them.
-        In chunks; a compressed cache's first turn in one call, which profiles it."""
+        In chunks; a compressed cache's first turn in one call, which profiles it, its later
+        ones in chunks of READ_AGAIN: each pays a reading and a choosing, whatever its length."""
         model, start = self.model, self.length
-        chunk = len(ids) if first and not self.full else CHUNK
+        chunk = CHUNK if self.full else len(ids) if first else READ_AGAIN
         for i in range(0, len(ids), chunk):
             part = torch.tensor([ids[i:i + chunk]], device=self.device)
             n = part.shape[1]

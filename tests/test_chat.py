@@ -66,6 +66,7 @@ def test_turns_read_again_hold_nothing_of_it(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(generation, "fixed_method",
                         lambda *a, ask_after: Method((Full(),), ask_after=ask_after))
     monkeypatch.setattr("chat.CHUNK", 16)  # a turn in several chunks, each read again
+    monkeypatch.setattr("chat.READ_AGAIN", 16)
     full, fast = chat(tiny_ckpt, "full"), chat(tiny_ckpt, "local", ask_after=True)
     for text in ["Hello, world", "The quick brown fox " * 12, "def f(x): return x + 1"]:
         a, b = full.turn(text), fast.turn(text)
