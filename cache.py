@@ -229,7 +229,7 @@ class FastGenCache(Cache):
         # The per-token fields the policies declare: name -> its function of a token's k and v.
         self.measures = {n: f for p in self.policies for n, f in p.token_fields.items()}
         self.bits = None if method.kv_bits is None else list(method.kv_bits)
-        # Share of each sequence's bytes when choosing again: what it took (`choose_policies`).
+        # Share of each sequence's bytes when choosing again: its part (`choose_policies`).
         self.share = method.kv_budget
         self.errors = None  # (S, len(policies)): what each policy's precision costs (`decide`)
         # Whether a head of this layer, on any rank, took a policy that reads the latest query's
@@ -556,14 +556,16 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         new = first.max_new_tokens - 1
         unit, window, full_unit = token_costs(first)  # in tokens, or in bytes with `bits`
         costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
-        picks, spent, budgets = within_budget(first, offered, costs, first.prompt_lens, new,
-                                              first.method.kv_budget, full_unit)
+        picks, spent, _ = within_budget(first, offered, costs, first.prompt_lens, new,
+                                        first.method.kv_budget, full_unit)
         reads = torch.tensor([p.reads_last for p in first.policies], device=picks.device)
         reads = reads[picks].any(1).tolist()  # each layer's, every rank's heads
-        for c, pick, cost, b, r in zip(caches, picks if heads is None else heads.mine(picks),
-                                       spent, budgets, reads):
-            c.choice, c.reads_last = pick, r
-            c.share = first.method.kv_budget * cost / b.clamp(min=1)  # (B,) what it took
+        # Each layer's share when choosing again, (B,): in proportion to what it took, all of
+        # them the whole budget, which a short prompt with many tokens to come leaves unspent.
+        shares = first.method.kv_budget * L * spent / spent.sum(0).clamp(min=1)
+        for c, pick, share, r in zip(caches, picks if heads is None else heads.mine(picks), shares,
+                                     reads):
+            c.choice, c.reads_last, c.share = pick, r, share
 
 
 def choose_again(cache: FastGenCache, profiles: list[Profile]):
@@ -572,7 +574,7 @@ def choose_again(cache: FastGenCache, profiles: list[Profile]):
     their groups. A policy is offered only at the precision its segment is stored at, and only
     if the pool keeps what it reads."""
     P, device = cache.policies, cache.prompt_lens.device
-    new = max(cache.max_new_tokens - 1 - cache.steps, 0)
+    new = cache.max_new_tokens - 1  # a chunk comes before an answer (a chat's: each turn's)
     S, M = len(cache.choice), len(P)
     values = torch.zeros(S, M, device=device)
     costs = torch.zeros(S, M, dtype=torch.long, device=device)

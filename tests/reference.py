@@ -413,7 +413,7 @@ class Reference:
         worth = worth.masked_fill(~torch.tensor([[self.may_take(s, i) for i in range(M)]
                                                  for s in range(B * K)]), -math.inf)
         if self.budget is not None and M > 1:
-            self.share = []  # each sequence's share of a full cache that the choice took
+            self.share = []  # each sequence's share of a full cache when choosing again
             new = self.max_new_tokens - 1
             unit, window, full = self.units
             for b, L in enumerate(self.lens):
@@ -427,7 +427,8 @@ class Reference:
                 check_budget_choice(got, [[value_of(r, self.ask_after) for r in worth[s].tolist()]
                                           for s in segs], costs, budget, f"sequence {b}")
                 spent = sum(c[i] for c, i in zip(costs, got))
-                self.share.append(f32(f32(self.budget) * f32(spent)) / f32(max(budget, 1)))
+                # One layer: all of the budget, as its part of every layer's spend (float32).
+                self.share.append(f32(f32(f32(self.budget) * f32(spent)) / f32(max(spent, 1))))
             self.choice = list(state.choice)  # checked: the optimum, or a tie of it
         else:
             self.choice = [self.choose(worth[s], state.choice[s]) for s in range(B * K)]
@@ -592,8 +593,8 @@ class Reference:
         what each segment holds, from those rows' attention (`held_recovery`),
         less what its precision costs (`errors`, the cache's, tested apart), and
         the threshold's choice or, under a budget, the knapsack's over what each
-        policy keeps of what is held and of the tokens still planned, within the
-        share of a full cache that the prompt's choice took. Returns the
+        policy keeps of what is held and of an answer's tokens, within the layer's
+        share of a full cache. Returns the
         recoveries, (S, M), -inf where the policy is not offered (`offered`; as the
         cache's, not those `may_take` refuses, which neither can choose)."""
         S, M, K = len(self.kept), len(self.policies), self.K
@@ -609,7 +610,7 @@ class Reference:
         worth = recovery.masked_fill(~torch.tensor([[self.may_take(s, i) for i in range(M)]
                                                     for s in range(S)]), -math.inf)
         if self.budget is not None:
-            new = max(self.max_new_tokens - 1 - self.steps, 0)
+            new = self.max_new_tokens - 1  # a chunk comes before an answer
             unit, window, full = self.units
             for b in range(S // K):
                 segs = range(b * K, (b + 1) * K)

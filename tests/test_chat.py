@@ -170,6 +170,19 @@ def test_a_long_later_turn_is_kept_at_the_policys_share(tiny_ckpt):
     assert second.kv_bytes < second.full_kv_bytes
 
 
+def test_a_chat_holds_its_budget_at_every_turn(tiny_ckpt):
+    """A short first turn before long answers: each later turn is planned with its answer still
+    to come, and the layers together may spend the whole budget, not what the first turn took."""
+    model, tok = load(str(tiny_ckpt))
+    session = Chat(model, tok, cache=CacheOptions("fastgen", kv_budget=0.5), max_new_tokens=32,
+                   token_flags=flags_of(model, tok))
+    session.turn("Hi")
+    for text in ["The quick brown fox jumps over the lazy dog. " * 2, "And then?"]:
+        turn = session.turn(text)
+        page = sum(c.pool.page for c in model.caches()) * model.args.n_kv_heads
+        assert 0.4 * turn.seen_tokens <= turn.kept_tokens <= 0.5 * turn.seen_tokens + page
+
+
 def turns_and_errors(out: str, err: str, as_json: bool):
     """The turns --interactive answered (its JSON objects, or its turns' summaries) and its
     error lines (after the prompts "> " that stand before them)."""
