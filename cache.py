@@ -556,13 +556,15 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
         new = first.max_new_tokens - 1
         unit, window, full_unit = token_costs(first)  # in tokens, or in bytes with `bits`
         costs = ((keeps.sum(2).T + torch.ceil(growth * new).long()) * unit + window).view(L, -1, M)
-        picks, spent, _ = within_budget(first, offered, costs, first.prompt_lens, new,
-                                        first.method.kv_budget, full_unit)
+        picks, spent, budgets = within_budget(first, offered, costs, first.prompt_lens, new,
+                                              first.method.kv_budget, full_unit)
         reads = torch.tensor([p.reads_last for p in first.policies], device=picks.device)
         reads = reads[picks].any(1).tolist()  # each layer's, every rank's heads
-        # Each layer's share when choosing again, (B,): in proportion to what it took, all of
-        # them the whole budget, which a short prompt with many tokens to come leaves unspent.
-        shares = first.method.kv_budget * L * spent / spent.sum(0).clamp(min=1)
+        # Each layer's share when choosing again, (B,): what it took, over the budget; under it, in
+        # proportion to what it took, all of them the whole budget (a short prompt with many tokens
+        # to come leaves some unspent).
+        took = torch.minimum(budgets, spent.float().mean(0)).clamp(min=1)
+        shares = first.method.kv_budget * spent / took
         for c, pick, share, r in zip(caches, picks if heads is None else heads.mine(picks), shares,
                                      reads):
             c.choice, c.reads_last, c.share = pick, r, share

@@ -427,8 +427,8 @@ class Reference:
                 check_budget_choice(got, [[value_of(r, self.ask_after) for r in worth[s].tolist()]
                                           for s in segs], costs, budget, f"sequence {b}")
                 spent = sum(c[i] for c, i in zip(costs, got))
-                # One layer: all of the budget, as its part of every layer's spend (float32).
-                self.share.append(f32(f32(f32(self.budget) * f32(spent)) / f32(max(spent, 1))))
+                # One layer: what it took over the budget, else all of the budget (float32).
+                self.share.append(f32(f32(self.budget) * f32(spent)) / f32(max(min(budget, spent), 1)))
             self.choice = list(state.choice)  # checked: the optimum, or a tie of it
         else:
             self.choice = [self.choose(worth[s], state.choice[s]) for s in range(B * K)]
