@@ -560,11 +560,11 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
                                               first.method.kv_budget, full_unit)
         reads = torch.tensor([p.reads_last for p in first.policies], device=picks.device)
         reads = reads[picks].any(1).tolist()  # each layer's, every rank's heads
-        # Each layer's share when choosing again, (B,): what it took, over the budget; under it, in
-        # proportion to what it took, all of them the whole budget (a short prompt with many tokens
-        # to come leaves some unspent).
-        took = torch.minimum(budgets, spent.float().mean(0)).clamp(min=1)
-        shares = first.method.kv_budget * spent / took
+        # Each layer's share when choosing again, (B,): what it took of its budget or, where the
+        # layers left some unspent (a short prompt before many new tokens), of what they spent on
+        # average, so that together they may spend it all.
+        base = torch.minimum(budgets, spent.float().mean(0)).clamp(min=1)
+        shares = first.method.kv_budget * spent / base
         for c, pick, share, r in zip(caches, picks if heads is None else heads.mine(picks), shares,
                                      reads):
             c.choice, c.reads_last, c.share = pick, r, share

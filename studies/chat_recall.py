@@ -69,6 +69,9 @@ def main(argv=None):
     p.add_argument("--text", default="news", help="the haystack: news, usenet or pydoc")
     p.add_argument("--out", default="results/chat_recall/chat_recall")
     a = p.parse_args(argv)
+    if not 0 < a.read_layers <= 1:
+        p.error(f"--read-layers is a share of the layers, above 0 and at most 1 "
+                f"(got {a.read_layers})")
     torch.set_num_threads(a.threads)
     chat.READ_LAYERS = a.read_layers
     model, tok = load(a.ckpt)
@@ -86,11 +89,13 @@ def main(argv=None):
         for name in a.caches:
             runs[name].append(conversation(model, tok, flags, options[name], c, a.new_tokens))
     first = a.caches[0]
+    speeds = {name: [r["paste_tokens"] / r["paste_s"] for r in rs] for name, rs in runs.items()}
     for name, rs in runs.items():
-        speed = [r["paste_tokens"] / r["paste_s"] for r in rs]
-        against = [x / (b["paste_tokens"] / b["paste_s"]) for x, b in zip(speed, runs[first])]
+        speed = speeds[name]
+        against = [x / y for x, y in zip(speed, speeds[first])]
         rows[name] = dict(score=sum(r["score"] for r in rs) / len(rs),
-                          share=sum(r["kv_bytes"] for r in rs) / sum(r["full_kv_bytes"] for r in rs),
+                          share=sum(r["kv_bytes"] for r in rs) / sum(
+                              r["full_kv_bytes"] for r in rs),
                           paste_tps=statistics.median(speed), against=statistics.median(against),
                           runs=rs)
         print(f"{name:22s} score {rows[name]['score']:.3f}  share {rows[name]['share']:.3f}  "

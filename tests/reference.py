@@ -428,7 +428,8 @@ class Reference:
                                           for s in segs], costs, budget, f"sequence {b}")
                 spent = sum(c[i] for c, i in zip(costs, got))
                 # One layer: what it took over the budget, else all of the budget (float32).
-                self.share.append(f32(f32(self.budget) * f32(spent)) / f32(max(min(budget, spent), 1)))
+                base = f32(max(min(budget, spent), 1))
+                self.share.append(f32(f32(self.budget) * f32(spent)) / base)
             self.choice = list(state.choice)  # checked: the optimum, or a tie of it
         else:
             self.choice = [self.choose(worth[s], state.choice[s]) for s in range(B * K)]

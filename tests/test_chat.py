@@ -44,9 +44,9 @@ def test_two_turns_through_stdin_equal_one_generation(tiny_ckpt):
     assert second["kept_tokens"] == second["seen_tokens"] and second["kv_bytes"] >= second["full_kv_bytes"]
 
 
-def chat(tiny_ckpt, kv, **options):
+def chat(tiny_ckpt, kv, max_new_tokens=10, **options):
     model, tok = load(str(tiny_ckpt))
-    return Chat(model, tok, cache=CacheOptions(kv, **options), max_new_tokens=10,
+    return Chat(model, tok, cache=CacheOptions(kv, **options), max_new_tokens=max_new_tokens,
                 token_flags=flags_of(model, tok))
 
 
@@ -173,13 +173,12 @@ def test_a_long_later_turn_is_kept_at_the_policys_share(tiny_ckpt):
 def test_a_chat_holds_its_budget_at_every_turn(tiny_ckpt):
     """A short first turn before long answers: each later turn is planned with its answer still
     to come, and the layers together may spend the whole budget, not what the first turn took."""
-    model, tok = load(str(tiny_ckpt))
-    session = Chat(model, tok, cache=CacheOptions("fastgen", kv_budget=0.5), max_new_tokens=32,
-                   token_flags=flags_of(model, tok))
+    session = chat(tiny_ckpt, "fastgen", max_new_tokens=32, kv_budget=0.5)
     session.turn("Hi")
     for text in ["The quick brown fox jumps over the lazy dog. " * 2, "And then?"]:
         turn = session.turn(text)
-        page = sum(c.pool.page for c in model.caches()) * model.args.n_kv_heads
+        caches = session.model.caches()
+        page = sum(c.pool.page for c in caches) * session.model.args.n_kv_heads
         assert 0.4 * turn.seen_tokens <= turn.kept_tokens <= 0.5 * turn.seen_tokens + page
 
 
