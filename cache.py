@@ -24,7 +24,7 @@ With `Method.ask_after` (`--ask-after`), deciding waits until the prompt is read
 (generation.read_again, `cache.read_again`). A prompt token's score is then the most
 attention that reading gives it, times READ_WEIGHT, or what the prompt's last rows gave it,
 where more; the knapsack keeps the most score over the heads, as KVzip does. A chunk read again
-chooses again (`choose_from_reading`); read by its lower layers alone (a chat's later turns), the
+chooses again, every layer at once (`reading_profiles`, `choose_again`); read by its lower layers alone (a chat's later turns), the
 layers above take each token's most from below (`read_piece`).
 """
 from __future__ import annotations
@@ -343,7 +343,7 @@ class FastGenCache(Cache):
             rows, ratios = at[:, T - R:], local_ratios(self.policies)
             profiles = [held_profile(seen, self.slots(g), rows[g.seg.to(rows.device)], ratios)
                         for g, seen in zip(self.pool.groups, self.pool.observed)]
-            choose_again(self, profiles)
+            choose_again([self], [profiles])
         return y.view(B, H, T, D)
 
     # --- What the cache holds ------------------------------------------------------
@@ -570,45 +570,50 @@ def choose_policies(caches: list[FastGenCache], prompt: Slots, recovery, keeps, 
             c.choice, c.reads_last, c.share = pick, r, share
 
 
-def choose_again(cache: FastGenCache, profiles: list[Profile]):
-    """Choose each segment's policy again from a Profile of what each group holds now (under a
-    budget, within a share of what a full cache holds by the planned end); segments stay in
-    their groups. A policy is offered only at the precision its segment is stored at, and only
-    if the pool keeps what it reads."""
-    P, device = cache.policies, cache.prompt_lens.device
-    new = cache.max_new_tokens - 1  # a chunk comes before an answer (a chat's: each turn's)
-    S, M = len(cache.choice), len(P)
-    values = torch.zeros(S, M, device=device)
-    costs = torch.zeros(S, M, dtype=torch.long, device=device)
-    for g, prof in zip(cache.pool.groups, profiles):
-        seg = g.seg.to(device)
-        s = cache.slots(g)
-        s.last = prof.last
-        values[seg] = recoveries(P, s, prof)
-        growth = growths(P, s)
-        costs[seg] = torch.stack([s.keeps(p) for p in P]).sum(2).T + torch.ceil(
-            growth * new).long()
-        if cache.bits is not None:
-            other = [i for i, b in enumerate(cache.bits) if b != g.bits]
-            values[seg[:, None], other] = -math.inf
-    if "last" not in cache.pool.fields:  # not offered: no policy may read what is not kept
-        values[:, [i for i, p in enumerate(P) if p.reads_last]] = -math.inf
-    unit, window, full_unit = token_costs(cache)
-    if cache.errors is not None:
-        values = values - cache.errors
-    costs = costs * unit + window
-    cache.recovery = values
-    values = values.masked_fill(not_offered([cache]), -math.inf)
-    heads = cache.pending.heads
-    if cache.method.kv_budget is None:
-        choice = choose(values, cache.method.recovery)
-    else:
-        B = len(cache.prompt_lens)
-        choice, _, _ = within_budget(cache, values[None], costs[None], cache.seen()[::S // B],
-                                     new, cache.share, full_unit)
-        choice = (choice if heads is None else heads.mine(choice))[0]
-    cache.choice = choice
-    cache.follow(choice.tolist())
+def choose_again(caches: list[FastGenCache], profiles: list[list[Profile]]):
+    """Choose each segment's policy again, for several layers at once, from a Profile of what
+    each of their groups holds now (under a budget, each layer within its share of what a full
+    cache holds by the planned end); segments stay in their groups. A policy is offered only at
+    the precision its segment is stored at, and only if the pool keeps what it reads. Every
+    group of every layer is a block of one padded batch: each policy is asked once."""
+    first = caches[0]
+    P, device = first.policies, first.prompt_lens.device
+    new = first.max_new_tokens - 1  # a chunk comes before an answer (a chat's: each turn's)
+    L, S, M = len(caches), len(first.choice), len(P)
+    blocks = [(i, g) for i, c in enumerate(caches) for g in c.pool.groups]
+    held = Slots.cat([caches[i].slots(g) for i, g in blocks])
+    prof = Profile.cat([p for group_profiles in profiles for p in group_profiles])
+    held.last = prof.last
+    value = recoveries(P, held, prof)
+    if first.bits is not None:
+        stored = torch.tensor([g.bits for _, g in blocks for _ in g.rows], device=device)
+        value = value.masked_fill(torch.tensor(first.bits, device=device) != stored[:, None],
+                                  -math.inf)
+    cost = torch.stack([held.keeps(p) for p in P]).sum(2).T + torch.ceil(
+        growths(P, held) * new).long()
+    rows = torch.cat([g.seg + i * S for i, g in blocks]).to(device)  # (layer, segment) of each
+    values, costs = value.new_empty(L * S, M), cost.new_empty(L * S, M)
+    values[rows], costs[rows] = value, cost
+    # Not offered: no policy may read what is not kept.
+    lacks = torch.tensor(["last" not in c.pool.fields for c in caches], device=device)
+    reads = torch.tensor([p.reads_last for p in P], device=device)
+    values = values.masked_fill(lacks.repeat_interleave(S)[:, None] & reads, -math.inf)
+    if first.errors is not None:
+        values = values - torch.cat([c.errors for c in caches])
+    unit, window, full_unit = token_costs(first)
+    costs = (costs * unit + window).view(L, S, M)
+    offered = values.masked_fill(not_offered(caches), -math.inf).view(L, S, M)
+    heads, B = first.pending.heads, len(first.prompt_lens)
+    for c, value, cost, offer in zip(caches, values.view(L, S, M), costs, offered):
+        c.recovery = value
+        if c.method.kv_budget is None:
+            choice = choose(offer, c.method.recovery)
+        else:
+            choice, _, _ = within_budget(c, offer[None], cost[None], c.seen()[::S // B], new,
+                                         c.share, full_unit)
+            choice = (choice if heads is None else heads.mine(choice))[0]
+        c.choice = choice
+        c.follow(choice.tolist())
 
 
 def not_offered(caches: list[FastGenCache]) -> torch.Tensor:
@@ -817,8 +822,9 @@ def read_piece(caches: list[FastGenCache], counts=None, first=None, layers=None)
         below = [c for c in caches if not c.reads_above]
         for c in caches[len(below):]:
             c.read_scores, c.reads_above = read_below(c, below), False
-        for c in caches:
-            choose_from_reading(c)
+        profiles = [reading_profiles(c) for c in caches]
+        if len(caches[0].policies) > 1:
+            choose_again(caches, profiles)
         return
     for i, c in enumerate(caches):
         c.reads_next, c.reads_above = True, layers is not None and i >= layers
@@ -844,9 +850,10 @@ def read_below(cache: FastGenCache, below: list[FastGenCache]) -> list[torch.Ten
             (at(cache, g) for g in cache.pool.groups)]
 
 
-def choose_from_reading(cache: FastGenCache):
-    """After a reading again: each held token's score is the most any reading gave it,
-    not weighed (READ_WEIGHT), or what rows gave it while held, where more; choose again."""
+def reading_profiles(cache: FastGenCache) -> list[Profile]:
+    """After a reading again: each held token's score is the most any reading gave it, not
+    weighed (READ_WEIGHT), or what rows gave it while held, where more; each group's Profile
+    of those scores, to choose again from."""
     groups, ratios = cache.pool.groups, local_ratios(cache.policies)
     profiles = []
     for g, got in zip(groups, cache.read_scores):
@@ -858,8 +865,7 @@ def choose_from_reading(cache: FastGenCache):
         profiles.append(read_again_profile(s.score * s.valid, s.pos, s.seen, s.prompt_len,
                                            ratios))
     cache.read_scores = None
-    if len(cache.policies) > 1:
-        choose_again(cache, profiles)
+    return profiles
 
 
 def asks_after(caches: list) -> bool:

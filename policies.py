@@ -68,6 +68,23 @@ class Slots:
         first = self.pos if self.first_query is None else torch.maximum(self.pos, self.first_query)
         return self.score / (self.seen - first).clamp(min=1)
 
+    @staticmethod
+    def cat(parts: list[Slots]) -> Slots:
+        """The rows of several, each padded with empty slots to the widest."""
+        C = max(s.pos.shape[1] for s in parts)
+
+        def wide(ts, fill=0):  # (N, C) fields, padded
+            return torch.cat([torch.nn.functional.pad(t, (0, C - t.shape[1]), value=fill)
+                              for t in ts])
+
+        def column(ts):  # (N, 1), or None
+            return None if ts[0] is None else torch.cat(ts)
+        return Slots(wide([s.pos for s in parts], -1), wide([s.score for s in parts]),
+                     wide([s.flags for s in parts]), column([s.seen for s in parts]),
+                     column([s.prompt_len for s in parts]), column([s.first_query for s in parts]),
+                     None if parts[0].last is None else wide([s.last for s in parts]),
+                     {name: wide([s.fields[name] for s in parts]) for name in parts[0].fields})
+
     def __getitem__(self, rows) -> Slots:
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return Slots(self.pos[rows], self.score[rows], self.flags[rows], self.seen[rows],

@@ -184,23 +184,29 @@ def chunk_attention(q, k, v, pos, at, valid, latest, observe: int = 0, padded: b
 
     q: (n, G, T, D) at positions at (n, T); k, v: (n, C, D) and pos (n, C) a group's slots;
     valid (n, T): the queries that are not padding (`padded`: whether any is); latest (n, T):
-    each segment's last valid one. Returns the output (n, G, T, D) and, averaged over the G query heads, the attention
-    each slot got from the valid queries and from the latest, (n, C) each, and from the last
-    `observe` rows, (n, observe, C)."""
+    each segment's last valid one. Returns the output (n, G, T, D) and, averaged over the G query
+    heads, the attention each slot got from the valid queries and from the latest, (n, C) each,
+    and from the last `observe` rows, (n, observe, C)."""
     n, G, T, D = q.shape
-    y, got, last, seen = torch.empty_like(q), 0, 0, []
+    C = k.shape[1]
+    y, got, seen = torch.empty_like(q), 0, []
+    keys = k.transpose(1, 2) / math.sqrt(D)  # (n, D, C), scaled once
+    # What a row's attention counts for, each query head's 1 / G: [valid, latest], (n, 2, T).
+    weights = torch.stack([valid, latest], 1).float() / G
     for rows in torch.arange(T, device=q.device).split(CHUNK_ROWS):
+        t = len(rows)
         sees = (pos[:, None] >= 0) & (pos[:, None] <= at[:, rows, None])  # (n, t, C)
-        scores = (q[:, :, rows] @ k.transpose(1, 2)[:, None] / math.sqrt(D)).float()
+        # The G heads' rows as one matrix, (n, G * t, D), against the segment's keys.
+        scores = (q[:, :, rows].reshape(n, G * t, D) @ keys).view(n, G, t, C).float()
         probs = scores.masked_fill_(~sees[:, None], -math.inf).softmax(-1)
         if padded:  # a padding query may see no slot: its softmax is NaN
             probs.nan_to_num_(0.0)
-        y[:, :, rows] = probs.to(v.dtype) @ v[:, None]
-        probs = probs.mean(1)  # (n, t, C)
-        got = got + (probs * valid[:, rows, None]).sum(1)
-        last = last + (probs * latest[:, rows, None]).sum(1)
+        flat = probs.view(n, G * t, C)
+        y[:, :, rows] = (flat.to(v.dtype) @ v).view(n, G, t, D)
+        got = got + weights[:, :, None, rows].expand(n, 2, G, t).reshape(n, 2, G * t) @ flat
         if observe and rows[-1] >= T - observe:
-            seen.append(probs[:, (rows >= T - observe).nonzero()[:, 0]])
+            seen.append(probs.mean(1)[:, (rows >= T - observe).nonzero()[:, 0]])
+    got, last = got.unbind(1)
     return y, got, last, torch.cat(seen, 1) if observe else None
 
 

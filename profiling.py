@@ -50,9 +50,12 @@ class Profile:
 
     @staticmethod
     def cat(parts: list["Profile"]) -> "Profile":
-        cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
-        return Profile(cat("colsum"), {r: torch.cat([p.bands[r] for p in parts])
-                                       for r in parts[0].bands}, cat("rows"), cat("last"))
+        """The segments of several, each padded with tokens no row read to the widest."""
+        T = max(p.colsum.shape[1] for p in parts)
+        cat = lambda ts: torch.cat([F.pad(t, (0, T - t.shape[1])) for t in ts])  # noqa: E731
+        return Profile(cat([p.colsum for p in parts]),
+                       {r: cat([p.bands[r] for p in parts]) for r in parts[0].bands},
+                       torch.cat([p.rows for p in parts]), cat([p.last for p in parts]))
 
 
 def attention_sums(q, k, lens, ratios=(), rows: int | None = None,

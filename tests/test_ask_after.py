@@ -199,7 +199,7 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
     model = Transformer(ModelArgs.tiny(n_layers=2)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 20))
     got = []
-    real = cache.choose_from_reading
+    real = cache.reading_profiles
 
     def spy(self):  # what the second chunk, read again, gave each slot, laid out by position
         held = []
@@ -207,11 +207,12 @@ def test_a_chunk_read_again_is_the_attention_over_the_pool(monkeypatch, bits):
             pos = g.block(self.pool.pos).long()
             got.append(torch.zeros(len(col), 20).scatter_add_(1, pos.clamp(min=0), col * (pos >= 0)))
             held.append((g.block(self.pool.score).clone(), col))
-        real(self)
+        profiles = real(self)
         for g, (score, col) in zip(self.pool.groups, held):  # the score: not weighed, where more
             torch.testing.assert_close(g.block(self.pool.score), torch.maximum(score, col))
+        return profiles
 
-    monkeypatch.setattr(cache, "choose_from_reading", spy)
+    monkeypatch.setattr(cache, "reading_profiles", spy)
     generate(model, ids.tolist(), 1, cache=CacheOptions(
         "local", kv_budget=1.0, ask_after=True, prefill_chunk=12, kv_bits=bits and (bits,)))
     sees = sees_part(20, 12, 8, 8)
@@ -273,15 +274,15 @@ def test_a_chunk_read_by_its_lower_layers_stops_there_and_lends_the_layers_above
     ran, got = [], {}
     for i, layer in enumerate(model.layers):
         layer.feed_forward.register_forward_hook(lambda *_, i=i: ran.append(i))
-    real = cache.choose_from_reading
+    real = cache.reading_profiles
 
     def spy(self):  # each layer's scores, laid out by position: (K, 40)
         by_pos = [torch.zeros(len(col), 40).scatter_add_(1, g.block(self.pool.pos).long().clamp(
             min=0), col * (g.block(self.pool.pos) >= 0)) for g, col in zip(self.pool.groups,
                                                                            self.read_scores)]
         got[caches.index(self)] = torch.cat(by_pos)
-        real(self)
-    monkeypatch.setattr(cache, "choose_from_reading", spy)
+        return real(self)
+    monkeypatch.setattr(cache, "reading_profiles", spy)
     read_again(model, ids[:, 24:], torch.tensor([16]), start=torch.tensor([40]), layers=2)
     assert ran == [0, 1]
     most = torch.maximum(got[0].amax(0), got[1].amax(0))
