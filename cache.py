@@ -24,8 +24,9 @@ With `Method.ask_after` (`--ask-after`), deciding waits until the prompt is read
 (generation.read_again, `cache.read_again`). A prompt token's score is then the most
 attention that reading gives it, times READ_WEIGHT, or what the prompt's last rows gave it,
 where more; the knapsack keeps the most score over the heads, as KVzip does. A chunk read again
-chooses again, every layer at once (`reading_profiles`, `choose_again`); read by its lower layers alone (a chat's later turns), the
-layers above take each token's most from below (`read_piece`).
+chooses again, every layer at once (`reading_profiles`, `choose_again`); read by its lower
+layers alone (a chat's later turns), the layers above take each token's most from below
+(`read_piece`).
 """
 from __future__ import annotations
 
@@ -604,12 +605,12 @@ def choose_again(caches: list[FastGenCache], profiles: list[list[Profile]]):
     costs = (costs * unit + window).view(L, S, M)
     offered = values.masked_fill(not_offered(caches), -math.inf).view(L, S, M)
     heads, B = first.pending.heads, len(first.prompt_lens)
-    for c, value, cost, offer in zip(caches, values.view(L, S, M), costs, offered):
-        c.recovery = value
+    for c, recovery, price, offer in zip(caches, values.view(L, S, M), costs, offered):
+        c.recovery = recovery
         if c.method.kv_budget is None:
             choice = choose(offer, c.method.recovery)
         else:
-            choice, _, _ = within_budget(c, offer[None], cost[None], c.seen()[::S // B], new,
+            choice, _, _ = within_budget(c, offer[None], price[None], c.seen()[::S // B], new,
                                          c.share, full_unit)
             choice = (choice if heads is None else heads.mine(choice))[0]
         c.choice = choice
