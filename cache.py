@@ -24,9 +24,9 @@ With `Method.ask_after` (`--ask-after`), deciding waits until the prompt is read
 (generation.read_again, `cache.read_again`). A prompt token's score is then the most
 attention that reading gives it, times READ_WEIGHT, or what the prompt's last rows gave it,
 where more; the knapsack keeps the most score over the heads, as KVzip does. A chunk read again
-chooses again, every layer at once (`reading_profiles`, `choose_again`); read by its lower
-layers alone (a chat's later turns), the layers above take each token's most from below
-(`read_piece`).
+chooses again, every layer at once (`reading_profiles`, `choose_again`), by what its reading
+gave each held token, its own rows adding nothing; read by its lower layers alone (a chat's later
+turns), the layers above take each token's most from below (`read_piece`).
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ ROWS, SPAN, SCOPE = 32, 16, 6
 # READ_BEFORE before the part it repeats to that part's end.
 READ_SINKS, READ_BEFORE = 4, 1024
 # What reading the prompt again gives a token weighs this much against the attention its last
-# ROWS rows gave it. A chunk's score sums all its rows, which outweigh a reading already: there
-# the reading is not weighed.
+# ROWS rows gave it. A chunk read again is scored by its reading alone, not weighed: its rows add
+# nothing (`FastGenCache.chunk`).
 READ_WEIGHT = 0.25
 # Random tokens said twice (COPY_PROBE of them) find the heads that copy (`copy_heads`). They
 # keep every token, at COPY_BITS or more (fewer garble the numbers they copy), where a head kept
@@ -338,7 +338,9 @@ class FastGenCache(Cache):
         # The rows that choose again: the chunk's last, if every sequence has them.
         rechoose = len(self.policies) > 1 and bool(valid[:, -1].all()) and not self.method.ask_after
         R = min(self.method.rows or T, T) if rechoose else 0
-        y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid, observe=R)
+        # A chunk read again is scored by its reading alone: its rows add nothing.
+        y = self.pool.attend_chunk(q.reshape(S, H // K, T, D), at, valid, observe=R,
+                                   sums=not self.method.ask_after)
         self.seg_prompt_len += counts
         if R:
             rows, ratios = at[:, T - R:], local_ratios(self.policies)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch._dynamo
 import torch.nn as nn
+import torch.nn.functional as F
 
 from quant import (WINDOW, channel_factors, dequantize, dequantize_residual, hadamard, quantize,
                    quantize_residual, residual_bits, rotate, rounds, storage_dtype, windowed)
@@ -211,6 +212,16 @@ def chunk_attention(q, k, v, pos, at, valid, latest, observe: int = 0, padded: b
 
 
 
+def chunk_output(q, k, v, pos, at):
+    """`chunk_attention`'s output alone, by torch's fused kernel (about half its time on CPU):
+    for a chunk read again, whose reading scores what each segment holds."""
+    G = q.shape[1]
+    sees = (pos[:, None] >= 0) & (pos[:, None] <= at[..., None])  # (n, T, C)
+    k, v = (t[:, None].expand(-1, G, -1, -1) for t in (k, v))
+    # A padding query may see no slot: its output is NaN.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees[:, None]).nan_to_num_(0.0)
+
+
 class Storage(nn.Module, abc.ABC):
     """What the method asks of the storage beneath it, one layer's (cache.py calls nothing
     else of it, besides the module's functions over several layers: `fill_from_prompt`, `evict`,
@@ -229,8 +240,8 @@ class Storage(nn.Module, abc.ABC):
         """One query per segment over what it holds: the output and each slot's attention."""
 
     @abc.abstractmethod
-    def attend_chunk(self, q, at, valid, observe: int = 0):
-        """A chunk's queries over what each segment holds, its scores updated."""
+    def attend_chunk(self, q, at, valid, observe: int = 0, sums: bool = True):
+        """A chunk's queries over what each segment holds, its scores updated if `sums`."""
 
     @abc.abstractmethod
     def add_scores(self, last):
@@ -537,11 +548,12 @@ class Pool(Storage):
         if "score" in self.fields:
             self.score += last
 
-    def attend_chunk(self, q, at, valid, observe: int = 0):
+    def attend_chunk(self, q, at, valid, observe: int = 0, sums: bool = True):
         """T queries a segment, q (S, G, T, D) at positions at (S, T), each over its segment's
         slots up to its position (the chunk's keys are written already): the output
         (S, G, T, D), a group at a time (`chunk_attention`). Scores gain the valid queries'
-        attention, `last` the latest's. `self.observed`: each group's last `observe` rows."""
+        attention, `last` the latest's. `self.observed`: each group's last `observe` rows.
+        Without `sums` (a chunk its reading will score), the output alone (`chunk_output`)."""
         q, y, self.observed = self.turned(q, 1), q.new_empty(q.shape), []
         keys, values = self.kv_pages()
         keys = keys.transpose(1, 2)  # (N, P, D)
@@ -549,6 +561,10 @@ class Pool(Storage):
         padded = not bool(valid.all())
         for g in self.groups:
             seg = g.seg.to(q.device)
+            if not sums:
+                y[seg] = chunk_output(q[seg], g.block(keys), g.block(values), g.block(self.pos),
+                                      at[seg])
+                continue
             y[seg], got, last, seen = chunk_attention(
                 q[seg], g.block(keys), g.block(values), g.block(self.pos), at[seg], valid[seg],
                 latest[seg], observe, padded)

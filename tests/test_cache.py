@@ -8,7 +8,8 @@ import torch
 import cache
 import pool
 from cache import FastGenCache, Method, fastgen_caches, scored_prompt
-from generation import CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches
+from generation import (CacheOptions, decode_one_token, dense_kv_bytes, generate, make_caches,
+                        read_again)
 from model import KVCache, ModelArgs, Transformer, reserve
 from policies import (TOVA, Frequent, Full, Local, Punct, Sink, Slots, SnapKV, Special, baseline,
                       menu, shortlist, token_flags)
@@ -650,13 +651,16 @@ def test_groups_grow_with_what_they_hold_and_compile_once():
 
 @pytest.mark.parametrize("chunk", [2, 5, 16])
 @pytest.mark.parametrize("n_kv_heads", [1, 2])
+@pytest.mark.parametrize("ask_after", [False, True])
 @torch.no_grad()
-def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, monkeypatch):
+def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, ask_after, monkeypatch):
     """A prompt read as a first piece (profiled, compressed) and then chunks of
     `chunk` tokens, sequences of different lengths (the shorter ones padded in
     the later chunks), then decoding: with Full everywhere, the same logits as
     the dense cache fed the same way, at every prompt token and every step.
-    (A chunk's queries are attended 3 at a time here, to cover the blocks.)"""
+    (A chunk's queries are attended 3 at a time here, to cover the blocks.)
+    Read again (`ask_after`), a chunk's output is the fused kernel's
+    (pool.chunk_output), and its rows add nothing to the scores."""
     monkeypatch.setattr(pool, "CHUNK_ROWS", 3)
     monkeypatch.setattr("model.CHUNK_ROWS", 3)  # the dense cache's chunks too
     model = tiny_model(n_kv_heads=n_kv_heads)
@@ -667,15 +671,21 @@ def test_full_through_chunks_equals_the_dense_cache(chunk, n_kv_heads, monkeypat
     B, T = tokens.shape
     positions = torch.arange(T).expand(B, T)
     dense = [KVCache(B, a.n_kv_heads, T + max_new, a.head_dim) for _ in model.layers]
-    full = fastgen_caches(model, Method([Full()]), lens_t.clamp(max=first), max_new)
+    full = fastgen_caches(model, Method([Full()], ask_after=ask_after), lens_t.clamp(max=first),
+                          max_new)
     runs = []
     for caches in (dense, full):
         model.setup_caches(caches)
         out = [model(tokens[:, :first], positions[:, :first])]
+        if caches is full and ask_after:
+            read_again(model, tokens[:, :first], lens_t.clamp(max=first))
         for s in range(first, T, chunk):
             counts = (lens_t - s).clamp(0, chunk)
             reserve(caches, counts)
+            held = [c.pool.score.sum() for c in caches] if caches is full and ask_after else None
             out.append(model(tokens[:, s:s + chunk], positions[:, s:s + chunk]))
+            if held is not None:  # not read again here: the scores stay as the reading left them
+                assert [c.pool.score.sum() for c in caches] == held
         logits = torch.cat(out, 1)
         step = [logits[torch.arange(B), lens_t - 1]]
         for i in range(max_new - 1):
