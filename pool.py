@@ -21,7 +21,7 @@ from its pages (`paged_attention`). The interface the cache uses (`Storage` decl
     Pool.write          each segment's new token, into the slot handed out for it
     Pool.attend         one query per segment over the slots it holds
     Pool.add_scores     the attention each slot just got, added to its score
-    Pool.attend_chunk   a chunk's queries over the slots, scored: several tokens at once
+    Pool.attend_chunk   a chunk's queries over the slots, scored unless a reading will score it
     evict               each policy's rows of several layers; frees what it drops
     hand_out            every segment's next free slots; groups that run short grow
 """
@@ -209,7 +209,6 @@ def chunk_attention(q, k, v, pos, at, valid, latest, observe: int = 0, padded: b
             seen.append(probs.mean(1)[:, (rows >= T - observe).nonzero()[:, 0]])
     got, last = got.unbind(1)
     return y, got, last, torch.cat(seen, 1) if observe else None
-
 
 
 def chunk_output(q, k, v, pos, at):
