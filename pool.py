@@ -557,7 +557,7 @@ class Pool(Storage):
         keys, values = self.kv_pages()
         keys = keys.transpose(1, 2)  # (N, P, D)
         latest = (valid.cumsum(1) == valid.sum(1, keepdim=True)) & valid  # (S, T)
-        padded = not bool(valid.all())
+        padded = sums and not bool(valid.all())  # a host sync, only where sums are taken
         for g in self.groups:
             seg = g.seg.to(q.device)
             if not sums:
