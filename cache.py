@@ -79,7 +79,7 @@ UNREAD = ("a cache that chooses for questions asked after the prompt (ask_after)
 
 
 class ReadEnough(Exception):
-    """Raised by a layer above those a reading again reads (`read_piece`): the forward stops."""
+    """Raised by the last layer a reading again reads (`read_piece`): the forward stops."""
 
 
 def budget_window(kv_budget: float) -> int:
@@ -253,7 +253,8 @@ class FastGenCache(Cache):
         self.held = None  # from prefill until `decide`: (q's rows read, k, v, tokens)
         self.all_rows = None  # every prompt row's Profile, prefill to `decide`, where it is read
         self.reads_next = False  # the next forward reads again (`read_piece`)
-        self.reads_above = False  # ... or stops there: the layer is above those read (`read_piece`)
+        self.reads_above = False  # ... or not: the layer is above those read (`read_piece`)
+        self.reads_last = False  # ... and the forward stops after its reading (`ReadEnough`)
         self.read_scores = None  # what reading again gave what is held: (S, T), or (n, C) a group
         self.counts = None  # (B,) tokens of each sequence the next chunk or reading again takes
         self.read_from = None  # (B,) the prompt position where the part read again starts
@@ -267,9 +268,10 @@ class FastGenCache(Cache):
 
     def forward(self, q, k, v, input_pos, tokens):
         if self.reads_next:
-            if self.reads_above:
+            y = read_again(self, q, k, v)
+            if self.reads_last:  # no layer above needs its output
                 raise ReadEnough
-            return read_again(self, q, k, v)
+            return y
         if self.pool is None:
             if self.held is not None:  # the prompt waits for `decide`: only reading again does
                 raise RuntimeError(UNREAD)
@@ -818,7 +820,7 @@ def read_piece(caches: list[FastGenCache], counts=None, first=None, layers=None)
     every layer profiles what it gave, those above what the ones below gave, and decides."""
     if counts is None:
         for c in caches:
-            c.reads_next = False
+            c.reads_next = c.reads_last = False
         if caches[0].pool is None:
             caches[0].pending.flush()
             return
@@ -831,6 +833,7 @@ def read_piece(caches: list[FastGenCache], counts=None, first=None, layers=None)
         return
     for i, c in enumerate(caches):
         c.reads_next, c.reads_above = True, layers is not None and i >= layers
+        c.reads_last = layers is not None and i == layers - 1
         c.counts = torch.as_tensor(counts, device=c.prompt_lens.device)
         c.read_from = torch.as_tensor(first, device=c.prompt_lens.device)
 

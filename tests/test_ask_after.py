@@ -260,7 +260,7 @@ def test_after_reading_again_decoding_evicts_as_the_default_does():
 def test_a_chunk_read_by_its_lower_layers_stops_there_and_lends_the_layers_above_its_most(
         monkeypatch):
     """A chunk read again with `layers`: only those layers run the reading (the forward stops
-    at the next), and each layer above scores a held token by the most any lower head gave that
+    after the last one's attention), and each layer above scores a held token by the most any lower head gave that
     token, as a chat's later turns are read (chat.READ_LAYERS)."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=4)).eval()
@@ -271,8 +271,9 @@ def test_a_chunk_read_by_its_lower_layers_stops_there_and_lends_the_layers_above
     read_again(model, ids[:, :24], torch.tensor([24]))
     reserve(caches, torch.tensor([16]))
     model(ids[:, 24:], torch.arange(24, 40)[None])
-    ran, got = [], {}
+    read, ran, got = [], [], {}
     for i, layer in enumerate(model.layers):
+        layer.attention.register_forward_pre_hook(lambda *_, i=i: read.append(i))
         layer.feed_forward.register_forward_hook(lambda *_, i=i: ran.append(i))
     real = cache.reading_profiles
 
@@ -284,9 +285,9 @@ def test_a_chunk_read_by_its_lower_layers_stops_there_and_lends_the_layers_above
         return real(self)
     monkeypatch.setattr(cache, "reading_profiles", spy)
     read_again(model, ids[:, 24:], torch.tensor([16]), start=torch.tensor([40]), layers=2)
-    assert ran == [0, 1]
+    assert read == [0, 1] and ran == [0]
     most = torch.maximum(got[0].amax(0), got[1].amax(0))
     assert bool((most[24:] > 0).all())
     for above in (2, 3):
         torch.testing.assert_close(got[above], most.expand_as(got[above]))
-    assert not any(c.reads_next or c.reads_above for c in caches)
+    assert not any(c.reads_next or c.reads_above or c.reads_last for c in caches)
