@@ -29,7 +29,7 @@ CHUNK = 512  # tokens per call when the full cache takes a turn; also the step b
 # A turn after the first is read again by this share of the layers, from the bottom: that share
 # of a forward pass, not a whole one; the layers above take each token's most from below
 # (cache.read_piece). Tuned on news; studies/README.md, chat_recall.
-READ_LAYERS = 0.4
+READ_LAYERS = 0.3
 
 
 class ConversationFull(Exception):
