@@ -260,8 +260,8 @@ def test_after_reading_again_decoding_evicts_as_the_default_does():
 def test_a_chunk_read_by_its_lower_layers_stops_there_and_lends_the_layers_above_its_most(
         monkeypatch):
     """A chunk read again with `layers`: only those layers run the reading (the forward stops
-    after the last one's attention), and each layer above scores a held token by the most any lower head gave that
-    token, as a chat's later turns are read (chat.READ_LAYERS)."""
+    after the last one's attention), and each layer above scores a held token by the most any
+    lower head gave that token, as a chat's later turns are read (chat.READ_LAYERS)."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs.tiny(n_layers=4)).eval()
     ids = torch.randint(1, model.args.vocab_size, (1, 40))
