@@ -9,7 +9,8 @@ policy for every head (`fixed_method`). The method, in the order it runs:
 2. Profile, `profile_layers`: how much of each segment's prompt attention each policy recovers
    (profiling.py).
 3. Choose, `choose_policies`: under a threshold, the paper's rule, the shortlist's first policy
-   to reach it; under a byte budget, one knapsack per sequence over the heads of SCOPE layers.
+   to reach it; under a byte budget, one knapsack per sequence over the heads of SCOPE layers
+   (read again, of every layer).
    A head that copies (`copy_heads`) keeps every token where that is affordable.
 4. Compress, `compress`: keep what each policy keeps of the prompt in a pool sized to it
    (pool.py).
@@ -99,7 +100,8 @@ class Method:
     recovery : float, default 1.0
         threshold mode (the paper's): take the first policy recovering this share; 1 keeps all
     kv_budget : float, optional
-        budget mode: SCOPE layers share this much of a full cache's tokens (kv_bits: 16-bit bytes)
+        budget mode: SCOPE layers (read again, every layer) share this much of a full cache's
+        tokens (kv_bits: 16-bit bytes)
     rows : int, optional
         the last prompt rows profiling reads; None: every row
     span : int, default 1
@@ -888,7 +890,9 @@ def fastgen_caches(model, method: Method, prompt_lens, max_new_tokens: int, toke
         token_flags = torch.zeros(model.args.vocab_size, dtype=torch.uint8)
     flags = token_flags.to(device)
     L = len(model.layers)
-    pending = Pending(L, scope=SCOPE if method.kv_budget is not None else None, heads=heads)
+    # Read again, one knapsack over every layer's heads, as KVzip ranks them all together.
+    scope = L if method.ask_after else SCOPE
+    pending = Pending(L, scope=scope if method.kv_budget is not None else None, heads=heads)
     copies = copy_heads(model, flags) if method.copies else [None] * L
     return [FastGenCache(method, lens, max_new_tokens, model.args.n_kv_heads, flags, page=page,
                          pending=pending, copies=c) for c in copies]

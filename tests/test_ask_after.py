@@ -257,6 +257,24 @@ def test_after_reading_again_decoding_evicts_as_the_default_does():
         assert any(k < 32 * S for k in kept[ask_after])
 
 
+def test_read_again_every_layer_shares_one_knapsack(monkeypatch):
+    """Read again, the heads of every layer share one knapsack, as KVzip ranks
+    every head's tokens together; without the reading, those of cache.SCOPE
+    layers."""
+    torch.manual_seed(0)
+    L = cache.SCOPE + 2
+    model = Transformer(ModelArgs.tiny(n_layers=L)).eval()
+    ids = torch.randint(1, model.args.vocab_size, (1, 24)).tolist()
+    sizes = []
+    monkeypatch.setattr(cache, "decide", lambda cs, decide=cache.decide: (
+        sizes.append(len(cs)), decide(cs))[1])
+    for ask_after, want in ((True, [L]), (False, [cache.SCOPE, 2])):
+        sizes.clear()
+        generate(model, ids, 1, cache=CacheOptions("fastgen", ask_after=ask_after),
+                 token_flags=None)
+        assert sizes == want
+
+
 def test_a_chunk_read_by_its_lower_layers_stops_there_and_lends_the_layers_above_its_most(
         monkeypatch):
     """A chunk read again with `layers`: only those layers run the reading (the forward stops
